@@ -1,0 +1,88 @@
+"""A preallocated KV cache that transformers' attention layers write into, with in-place compaction.
+
+transformers' DynamicCache concatenates on every step (a copy of the whole cache per forward).
+Here each layer owns one buffer of ``max_len`` rows; ``update`` writes the new rows in place and
+returns views. After verification, ``compact`` moves the accepted tree rows next to the prefix and
+drops the rest — no re-prefill, no reallocation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class PreallocLayer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self, max_len: int):
+        super().__init__()
+        self.max_len = max_len
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_dim: int | None = None) -> None:
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        kw = dict(dtype=key_states.dtype, device=key_states.device)
+        self.k_buf = torch.zeros(b, h, self.max_len, d, **kw)
+        self.v_buf = torch.zeros(b, h, self.max_len, value_dim or d, **kw)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states.shape[-1])
+        q = key_states.shape[-2]
+        end = self.length + q
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache full: {end} > max_len {self.max_len}")
+        self.k_buf[:, :, self.length:end] = key_states
+        self.v_buf[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self.k_buf[:, :, :end], self.v_buf[:, :, :end]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return self.length + cache_position.shape[0], 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_cache_shape(self) -> int:
+        return -1  # behaves like a dynamic cache for transformers' mask code
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.length + max_length
+        self.length = min(self.length, max_length)
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Rows start+keep[i] -> start+i, then drop everything after start+len(keep)."""
+        n = keep.numel()
+        if n and self.is_initialized:
+            src = keep + start
+            # index_select copies first, so overlapping source and destination are safe
+            self.k_buf[:, :, start:start + n] = self.k_buf.index_select(2, src)
+            self.v_buf[:, :, start:start + n] = self.v_buf.index_select(2, src)
+        self.length = start + n
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class KVCache(Cache):
+    """A transformers ``Cache`` of preallocated layers (one per decoder layer, created lazily)."""
+
+    def __init__(self, max_len: int):
+        super().__init__(layer_class_to_replicate=lambda: PreallocLayer(max_len))
+        self.max_len = max_len
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.compact(start, keep)
+
+    def crop(self, max_length: int) -> None:
+        for layer in self.layers:
+            layer.crop(max_length)

@@ -1,0 +1,208 @@
+"""The EAGLE draft head: FC([f_j ; emb(t_{j+1})]) -> one decoder layer of the target's family.
+
+Only ``fc`` and ``layer`` are trained and saved. The embedding and the LM head are the target's
+own frozen modules, bound at load time and never copied into the checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+
+from .errors import CheckpointError, HeadMismatchError
+from .io import atomic_write_json, atomic_save_safetensors
+
+HEAD_FORMAT = "eaglespec-draft-head"
+HEAD_FORMAT_VERSION = 1
+# Paper Fig. 8 ablations. "feature+shifted_token" is EAGLE.
+INPUT_MODES = ("feature+shifted_token", "feature+unshifted_token", "feature", "token")
+
+
+def _layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
+    cfg = copy.deepcopy(target_config)
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = [cfg.layer_types[0]]
+    if getattr(cfg, "_attn_implementation", None) in (None, "flash_attention_2", "flex_attention"):
+        cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _family_classes(cfg: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Module]]:
+    """The target family's decoder-layer and rotary-embedding classes, found without copying code."""
+    with torch.device("meta"):
+        base = AutoModel.from_config(cfg)
+    if not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        raise HeadMismatchError(f"model family {cfg.model_type!r} has no decoder layers with rotary embeddings")
+    return type(base.layers[0]), type(base.rotary_emb)
+
+
+class EagleDraftHead(nn.Module):
+    def __init__(self, target_config: PretrainedConfig, input_mode: str = "feature+shifted_token"):
+        super().__init__()
+        if input_mode not in INPUT_MODES:
+            raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
+        self.input_mode = input_mode
+        self.layer_config = _layer_config(target_config)
+        self.hidden_size = target_config.hidden_size
+        self.vocab_size = target_config.vocab_size
+        self.model_type = target_config.model_type
+        layer_cls, rotary_cls = _family_classes(self.layer_config)
+        self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=True)
+        self.layer = layer_cls(self.layer_config, layer_idx=0)
+        self.rotary = rotary_cls(config=self.layer_config)
+        self._frozen: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
+        self.metadata: dict[str, Any] = {}
+
+    # -- binding to the target ------------------------------------------------------------------
+    def bind(self, target: PreTrainedModel) -> "EagleDraftHead":
+        """Share the target's frozen embedding and LM head; check that the head fits the target."""
+        check_fit(self.config_dict(), target.config)
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if lm_head is None:
+            raise HeadMismatchError("the target has no output embeddings (LM head)")
+        self._frozen = (embed, lm_head)
+        p = next(target.parameters())
+        return self.to(device=p.device, dtype=p.dtype)
+
+    @property
+    def embed(self) -> nn.Module:
+        if self._frozen is None:
+            raise RuntimeError("draft head is not bound to a target; call head.bind(target)")
+        return self._frozen[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        if self._frozen is None:
+            raise RuntimeError("draft head is not bound to a target; call head.bind(target)")
+        return self._frozen[1]
+
+    # -- the computation ------------------------------------------------------------------------
+    def forward(
+        self,
+        features: torch.Tensor,  # (B, T, H): f_j
+        tokens: torch.Tensor,  # (B, T): t_{j+1} (t_j for the unshifted ablation: the caller aligns)
+        position_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # (B, 1, T, past + T) float, None = causal
+        cache: Any = None,
+    ) -> torch.Tensor:
+        """Predicted next features f_hat_{j+1}, shape (B, T, H)."""
+        emb = self.embed(tokens).to(features.dtype)
+        if self.input_mode == "feature":
+            emb = torch.zeros_like(emb)
+        elif self.input_mode == "token":
+            features = torch.zeros_like(features)
+        h = self.fc(torch.cat([features, emb], dim=-1))
+        if attention_mask is None:
+            t = h.shape[1]
+            past = cache.get_seq_length() if cache is not None else 0
+            allowed = torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past)
+            attention_mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device)
+            attention_mask = attention_mask.masked_fill(~allowed, torch.finfo(h.dtype).min)[None, None]
+        cos_sin = self.rotary(h, position_ids)
+        out = self.layer(
+            h,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            cache_position=position_ids[0],
+            position_embeddings=cos_sin,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(features)
+
+    # -- save / load ----------------------------------------------------------------------------
+    def config_dict(self) -> dict[str, Any]:
+        target_cfg = self.layer_config.to_dict()
+        return {
+            "format": HEAD_FORMAT,
+            "format_version": HEAD_FORMAT_VERSION,
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "input_mode": self.input_mode,
+            "layer_config": target_cfg,
+            "metadata": self.metadata,
+        }
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()
+                 if not k.startswith("rotary.")}
+        atomic_save_safetensors(state, path / "model.safetensors")
+        atomic_write_json(self.config_dict(), path / "config.json")
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, target: PreTrainedModel | None = None) -> "EagleDraftHead":
+        path = Path(path)
+        cfg = read_head_config(path)
+        if target is not None:
+            check_fit(cfg, target.config)
+        layer_cfg_dict = dict(cfg["layer_config"])
+        model_type = layer_cfg_dict.pop("model_type", cfg["model_type"])
+        layer_cfg = AutoConfig.for_model(model_type, **layer_cfg_dict)
+        layer_cfg._attn_implementation = "sdpa" if target is None else target.config._attn_implementation
+        head = cls(layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"))
+        head.metadata = cfg.get("metadata", {})
+        weights = path / "model.safetensors"
+        try:
+            state = load_file(str(weights))
+        except FileNotFoundError:
+            raise CheckpointError(f"{weights}: missing (a head folder holds config.json and model.safetensors)") from None
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{weights}: not a readable safetensors file ({e})") from None
+        own = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise CheckpointError(f"{weights}: wrong tensors (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        for k, v in state.items():
+            if v.shape != own[k].shape:
+                raise CheckpointError(f"{weights}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+        head.load_state_dict(state, strict=False)
+        if target is not None:
+            head.bind(target)
+        return head
+
+
+def read_head_config(path: Path) -> dict[str, Any]:
+    cfg_path = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such head folder")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{cfg_path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != HEAD_FORMAT:
+        raise CheckpointError(f"{cfg_path}: not an eaglespec draft head (no \"format\": \"{HEAD_FORMAT}\")")
+    if cfg.get("format_version", 0) > HEAD_FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: format version {cfg['format_version']} is newer than this eaglespec")
+    for key in ("model_type", "hidden_size", "vocab_size", "layer_config"):
+        if key not in cfg:
+            raise CheckpointError(f"{cfg_path}: missing field {key!r}")
+    return cfg
+
+
+def check_fit(head_cfg: dict[str, Any], target_config: PretrainedConfig) -> None:
+    diffs = []
+    for key, want in (("model_type", target_config.model_type), ("hidden_size", target_config.hidden_size),
+                      ("vocab_size", target_config.vocab_size)):
+        if head_cfg[key] != want:
+            diffs.append(f"{key}: head {head_cfg[key]!r} vs target {want!r}")
+    if diffs:
+        raise HeadMismatchError("draft head does not fit the target model (" + "; ".join(diffs) + ")")

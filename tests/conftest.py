@@ -1,0 +1,70 @@
+"""Tiny random-weight targets (Llama and Qwen2 families) and draft heads that accept often.
+
+A random head almost never guesses right, which would leave multi-token acceptance, EOS inside an
+accepted path and max_new_tokens mid-path untested. So `tiny_pair` damps the target's attention
+and its second layer, and builds the head from the target's own first layer with an FC that
+passes the token embedding through: the head then predicts the target's next token most of the
+time, but not always (context still matters a little), which exercises every branch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from eaglespec.head import EagleDraftHead
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def tiny_target(family: str = "llama", seed: int = 0, vocab: int = 128, attn_scale: float = 0.3,
+                layers: int = 2, max_pos: int = 512):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, attn_implementation="sdpa"))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5) if p.dim() > 1 else None
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.o_proj.weight.mul_(attn_scale)
+            if i > 0:
+                layer.mlp.down_proj.weight.mul_(0.1)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def good_head(model) -> EagleDraftHead:
+    head = EagleDraftHead(model.config).bind(model)
+    h = model.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, h:] = torch.eye(h)
+        head.fc.bias.zero_()
+        head.layer.load_state_dict(model.model.layers[0].state_dict())
+    return head.eval()
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny_pair(request):
+    model = tiny_target(request.param)
+    return model, good_head(model)
+
+
+@pytest.fixture
+def random_head_pair():
+    model = tiny_target("llama", seed=3)
+    torch.manual_seed(5)
+    return model, EagleDraftHead(model.config).bind(model).eval()

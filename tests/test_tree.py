@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from eaglespec.tree import PAPER_TREE, build_tree, chain, float_mask, parse_tree, prefix_tree_mask
+
+
+def test_paper_tree_shape():
+    t = build_tree("paper")
+    assert t.n == 26 and t.max_depth == 5
+    assert len(PAPER_TREE) == 25
+    assert [len(t.children[0])] == [4]
+    # every level is contiguous and parents come first
+    assert t.depth == sorted(t.depth)
+    assert all(t.parent[i] < i for i in range(1, t.n))
+
+
+def test_ancestor_mask_matches_paths():
+    t = build_tree("paper")
+    for i, pi in enumerate(t.paths):
+        for j, pj in enumerate(t.paths):
+            assert bool(t.ancestor_mask[i, j]) == (pi[: len(pj)] == pj), (pi, pj)
+
+
+def test_retrieve_lists_every_root_to_leaf_path():
+    t = build_tree("paper")
+    leaves = {p for p in t.paths if not any(q[:-1] == p for q in t.paths if q)}
+    got = set()
+    for row in t.retrieve.tolist():
+        nodes = [i for i in row if i >= 0]
+        assert nodes[0] == 0
+        for a, b in zip(nodes, nodes[1:]):
+            assert t.parent[b] == a
+        got.add(t.paths[nodes[-1]])
+    assert got == leaves
+
+
+def test_position_offsets_are_depths():
+    t = build_tree("paper")
+    assert t.position_offsets.tolist() == [len(p) for p in t.paths]
+
+
+def test_chain_and_parse():
+    assert chain(3) == [[0], [0, 0], [0, 0, 0]]
+    t = build_tree("chain:3")
+    assert t.n == 4 and t.expand_topk == [1, 1, 1]
+    assert torch.equal(t.ancestor_mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert build_tree("chain:0").n == 1
+    assert parse_tree([[0], [1]]) == [[0], [1]]
+
+
+@pytest.mark.parametrize("bad", ["chain:x", "chain:-1", "bushy", [[0, 0]], [[0], [0]], [[-1]]])
+def test_bad_trees(bad):
+    with pytest.raises(ValueError):
+        build_tree(bad)
+
+
+def test_draft_masks_see_ancestors_among_expanded_nodes():
+    t = build_tree("paper")
+    slots = []
+    for d in range(1, t.max_depth):
+        slots += t.expand_nodes[d]
+        m = t.draft_masks[d]
+        assert m.shape == (len(t.expand_nodes[d]), len(slots))
+        for r, i in enumerate(t.expand_nodes[d]):
+            for c, j in enumerate(slots):
+                assert bool(m[r, c]) == bool(t.ancestor_mask[i, j])
+    # expand top-k covers the highest child rank
+    assert t.expand_topk == [4, 3, 3, 3, 2]
+
+
+def test_masks():
+    allowed = torch.tensor([[True, False], [True, True]])
+    full = prefix_tree_mask(allowed, 3)
+    assert full.shape == (2, 5) and full[:, :3].all()
+    fm = float_mask(full, torch.float32)
+    assert fm.shape == (1, 1, 2, 5)
+    assert fm[0, 0, 0, 4] == torch.finfo(torch.float32).min and fm[0, 0, 1, 4] == 0
