@@ -56,7 +56,12 @@ class PreallocLayer(CacheLayerMixin):
     def crop(self, max_length: int) -> None:
         if max_length < 0:
             max_length = self.length + max_length
-        self.length = min(self.length, max_length)
+        self._set_length(min(self.length, max_length))
+
+    def _set_length(self, n: int) -> None:
+        self.length = n
+        if self.is_initialized:
+            self.keys, self.values = self.k_buf[:, :, :n], self.v_buf[:, :, :n]
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Rows start+keep[i] -> start+i, then drop everything after start+len(keep)."""
@@ -66,10 +71,10 @@ class PreallocLayer(CacheLayerMixin):
             # index_select copies first, so overlapping source and destination are safe
             self.k_buf[:, :, start:start + n] = self.k_buf.index_select(2, src)
             self.v_buf[:, :, start:start + n] = self.v_buf.index_select(2, src)
-        self.length = start + n
+        self._set_length(start + n)
 
     def reset(self) -> None:
-        self.length = 0
+        self._set_length(0)
 
 
 class KVCache(Cache):

@@ -64,6 +64,27 @@ class GenerationOutput:
     stats: GenerationStats
 
 
+def sample_without_replacement(q: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
+    """k draws per row of q (R, V) without replacement, in draw order (Gumbel top-k). When a row has
+    fewer than k non-zero entries, the extra picks are zero-probability tokens chosen
+    deterministically; `sibling_q` then gives them a one-hot q, which is their true law."""
+    u = torch.rand(q.shape, generator=gen, device=q.device).clamp_(1e-20, 1.0)
+    keys = q.log() - (-u.log()).log()
+    return torch.topk(keys, k, dim=-1).indices
+
+
+def sibling_q(q: torch.Tensor, earlier: list[int], token: int) -> torch.Tensor | None:
+    """The distribution a sibling was drawn from: q without the earlier siblings, renormalised
+    (None = one-hot: the pick was deterministic)."""
+    qc = q.clone()
+    if earlier:
+        qc[earlier] = 0.0
+    total = float(qc.sum())
+    if total <= 0.0 or float(qc[token]) <= 0.0:
+        return None
+    return qc / total
+
+
 class Engine:
     """EAGLE (and vanilla) generation for one target model and an optional draft head. Batch size 1."""
 
@@ -234,26 +255,22 @@ class Engine:
                 f = head(parents_f[None], toks_d, pos, float_mask(allowed, self.dtype), head_cache)[0]
                 for j, i in enumerate(nodes):
                     node_feat[i] = f[j : j + 1]
-            logits = head.logits(f).float()  # (len(nodes), V)
+            logits = head.logits(f).float()  # (len(nodes), draft vocab)
             k = tree.expand_topk[d]
             if sp.greedy or self.draft_sampling == "topk":
-                picks = torch.topk(logits, k, dim=-1).indices.tolist()
+                picks = head.to_target_ids(torch.topk(logits, k, dim=-1).indices).tolist()
                 qs = None
             else:
-                q = torch.softmax(logits / sp.temperature, -1)
-                picks = torch.multinomial(q, k, replacement=False, generator=gen).tolist()
-                qs = q
+                q_draft = torch.softmax(logits / sp.temperature, -1)
+                picks = head.to_target_ids(sample_without_replacement(q_draft, k, gen)).tolist()
+                qs = q_draft if head.d2t is None else torch.zeros(
+                    len(nodes), head.vocab_size, device=q_draft.device).index_copy_(1, head.d2t, q_draft)
             for j, i in enumerate(nodes):
                 for c in tree.children[i]:
                     r = tree.rank[c]
                     node_tokens[c] = picks[j][r]
                     if qs is not None:
-                        # without replacement: the q a sibling was drawn from excludes earlier siblings
-                        qc = qs[j].clone()
-                        prev = picks[j][:r]
-                        if prev:
-                            qc[prev] = 0.0
-                        node_q[c] = qc / qc.sum()
+                        node_q[c] = sibling_q(qs[j], picks[j][:r], picks[j][r])
         head_cache.crop(committed)
         return node_tokens, node_q
 

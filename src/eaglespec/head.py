@@ -47,7 +47,8 @@ def _family_classes(cfg: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Mod
 
 
 class EagleDraftHead(nn.Module):
-    def __init__(self, target_config: PretrainedConfig, input_mode: str = "feature+shifted_token"):
+    def __init__(self, target_config: PretrainedConfig, input_mode: str = "feature+shifted_token",
+                 draft_vocab: torch.Tensor | None = None):
         super().__init__()
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
@@ -61,6 +62,10 @@ class EagleDraftHead(nn.Module):
         self.layer = layer_cls(self.layer_config, layer_idx=0)
         self.rotary = rotary_cls(config=self.layer_config)
         self._frozen: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
+        self._w_draft: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, not saved
+        # Reduced draft vocabulary (FR-Spec / EAGLE-3 style): draft id -> target id. The head only
+        # ever proposes these tokens, which keeps verification lossless and makes drafting cheaper.
+        self.register_buffer("d2t", None if draft_vocab is None else draft_vocab.long().clone())
         self.metadata: dict[str, Any] = {}
 
     # -- binding to the target ------------------------------------------------------------------
@@ -72,7 +77,18 @@ class EagleDraftHead(nn.Module):
             raise HeadMismatchError("the target has no output embeddings (LM head)")
         self._frozen = (embed, lm_head)
         p = next(target.parameters())
-        return self.to(device=p.device, dtype=p.dtype)
+        self.to(device=p.device, dtype=p.dtype)
+        self.refresh_draft_weight()
+        return self
+
+    def refresh_draft_weight(self) -> None:
+        """Cache the LM-head rows of the draft vocabulary (after binding or moving the target)."""
+        if self.d2t is not None and self._frozen is not None:
+            self._w_draft = self.lm_head.weight.detach()[self.d2t.to(self.lm_head.weight.device)]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.vocab_size if self.d2t is None else self.d2t.numel()
 
     @property
     def embed(self) -> nn.Module:
@@ -121,7 +137,15 @@ class EagleDraftHead(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(features)
+        """Draft logits over the draft vocabulary (the full one unless reduced): map ids with `d2t`."""
+        if self.d2t is None:
+            return self.lm_head(features)
+        if self._w_draft is None or self._w_draft.device != features.device or self._w_draft.dtype != features.dtype:
+            self.refresh_draft_weight()
+        return torch.nn.functional.linear(features, self._w_draft.to(features.dtype))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
     # -- save / load ----------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
@@ -133,6 +157,7 @@ class EagleDraftHead(nn.Module):
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
             "input_mode": self.input_mode,
+            "draft_vocab_size": None if self.d2t is None else int(self.d2t.numel()),
             "layer_config": target_cfg,
             "metadata": self.metadata,
         }
@@ -155,8 +180,6 @@ class EagleDraftHead(nn.Module):
         model_type = layer_cfg_dict.pop("model_type", cfg["model_type"])
         layer_cfg = AutoConfig.for_model(model_type, **layer_cfg_dict)
         layer_cfg._attn_implementation = "sdpa" if target is None else target.config._attn_implementation
-        head = cls(layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"))
-        head.metadata = cfg.get("metadata", {})
         weights = path / "model.safetensors"
         try:
             state = load_file(str(weights))
@@ -164,6 +187,11 @@ class EagleDraftHead(nn.Module):
             raise CheckpointError(f"{weights}: missing (a head folder holds config.json and model.safetensors)") from None
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{weights}: not a readable safetensors file ({e})") from None
+        d2t = state.get("d2t")
+        if d2t is not None and (d2t.dim() != 1 or int(d2t.min()) < 0 or int(d2t.max()) >= cfg["vocab_size"]):
+            raise CheckpointError(f"{weights}: d2t is not a valid draft-to-target id map")
+        head = cls(layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"), draft_vocab=d2t)
+        head.metadata = cfg.get("metadata", {})
         own = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))

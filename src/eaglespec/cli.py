@@ -1,0 +1,166 @@
+"""``eaglespec generate | extract | train`` — parses arguments and calls the library, nothing more.
+
+Bad input ends with one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import EaglespecError
+
+SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
+
+
+def default_head(model: str) -> str | None:
+    path = SHIPPED_HEADS / model.lower()
+    return str(path) if (path / "config.json").is_file() else None
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with EAGLE (or vanilla) decoding")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--system", default=None)
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, no chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--method", choices=["eagle", "vanilla"], default="eagle")
+    p.add_argument("--tree", default="paper", help="paper | chain:K")
+    p.add_argument("--draft-sampling", choices=["topk", "sample"], default="topk",
+                   help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _add_extract(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("extract", help="compute target features for training (resumable)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--data", default="sharegpt", help="sharegpt | FILE.jsonl with {'conversations': [...]}")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=1_000_000)
+    p.add_argument("--heldout", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from .train.trainer import TrainConfig
+
+    p = sub.add_parser("train", help="train a draft head on extracted features (resumes by default)")
+    p.add_argument("--features", required=True)
+    p.add_argument("--out", required=True)
+    defaults = TrainConfig(features="", out="")
+    for name in ("model", "epochs", "lr", "warmup_steps", "batch_tokens", "noise", "ce_weight", "grad_clip",
+                 "draft_vocab", "eval_conversations", "save_every", "max_steps", "seed", "device", "input_mode"):
+        val = getattr(defaults, name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(val), default=val)
+    p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="eaglespec", description="Lossless EAGLE speculative decoding")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_extract(sub)
+    _add_train(sub)
+    return ap
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import torch
+
+    from .engine import Engine
+    from .head import EagleDraftHead
+    from .models import load_target
+    from .verify import SamplingParams
+
+    sp = SamplingParams(a.temperature, a.top_p, a.top_k)  # validates before any slow loading
+    if not a.prompt.strip():
+        raise EaglespecError("empty prompt")
+    if a.max_new_tokens < 1:
+        raise EaglespecError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise EaglespecError("--device cuda asked for, but CUDA is not available")
+    model, tok = load_target(a.model, device=a.device)
+    head = None
+    if a.method == "eagle":
+        head_path = a.head or default_head(a.model)
+        if head_path is None:
+            raise EaglespecError(f"no draft head shipped for {a.model}; pass --head PATH or --method vanilla")
+        head = EagleDraftHead.from_pretrained(head_path, model)
+    eng = Engine(model, head, tree=a.tree, draft_sampling=a.draft_sampling)
+    if a.no_chat:
+        ids = tok(a.prompt, add_special_tokens=True)["input_ids"]
+    else:
+        msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    eos = [t for t in {tok.eos_token_id, *_as_list(model.generation_config.eos_token_id)} if t is not None]
+    if a.json:
+        out = eng.generate(ids, a.max_new_tokens, sp, a.method, a.seed, eos)
+        text = tok.decode(out.token_ids, skip_special_tokens=True)
+        print(json.dumps({"text": text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "method": a.method, "tree": a.tree if a.method == "eagle" else None,
+                          "prompt_tokens": len(ids), **out.stats.to_dict()}))
+        return 0
+    shown, toks = "", []
+    for new, _ in eng.stream(ids, a.max_new_tokens, sp, a.method, a.seed, eos):
+        toks += new
+        text = tok.decode(toks, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write(tok.decode(toks, skip_special_tokens=True)[len(shown):] + "\n")
+    return 0
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def cmd_extract(a: argparse.Namespace) -> int:
+    from .train.extract import ExtractConfig, extract
+
+    rep = extract(ExtractConfig(model=a.model, out_dir=a.out, data=a.data, max_len=a.max_len,
+                                max_tokens=a.max_tokens, heldout=a.heldout, seed=a.seed))
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "shards"} if isinstance(v, dict) else v
+                      for k, v in rep.items()}))
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from .train.trainer import TrainConfig, train
+
+    cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig)})
+    st = train(cfg, resume=not a.no_resume)
+    print(json.dumps({"steps": st["step"], "tokens_seen": st["tokens_seen"], "train_time_s": st["train_time_s"],
+                      "evals": st["evals"], "head": str(Path(a.out) / "head")}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return {"generate": cmd_generate, "extract": cmd_extract, "train": cmd_train}[args.command](args)
+    except (EaglespecError, ValueError) as e:
+        print(f"eaglespec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("eaglespec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""Training the draft head from extracted features (paper section "Training the Draft Model").
+
+Input at position j: f_j (+ uniform noise while training) and the shifted token t_{j+1}.
+Target: f_{j+1}.  loss = SmoothL1(f_hat_{j+1}, f_{j+1}) + w * CE(p_{j+2}, p_hat_{j+2}), where
+p_{j+2} = softmax(LM_head(f_{j+1})) is the target's own distribution (a soft label).
+Only positions inside assistant turns carry loss.
+
+Runs under ``accelerate launch`` unchanged (one process on CPU by default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..cache import KVCache
+from ..errors import CheckpointError, EaglespecError
+from ..head import EagleDraftHead
+from ..io import atomic_torch_save, atomic_write_json, atomic_write_text
+from .extract import read_shard
+
+
+@dataclass
+class TrainConfig:
+    features: str  # an `eaglespec extract` output folder
+    out: str  # run folder: checkpoints, log, curves, final head
+    model: str = "smollm2-135m-instruct"
+    epochs: int = 2
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    batch_tokens: int = 4096
+    noise: float = 0.1  # U(-noise, noise) on input features
+    ce_weight: float = 0.1
+    grad_clip: float = 0.5
+    weight_decay: float = 0.0
+    draft_vocab: int = 8192  # 0 = the full target vocabulary
+    eval_conversations: int = 16
+    eval_steps: int = 5
+    save_every: int = 50
+    max_steps: int = 0  # 0 = no limit (stop after `epochs`)
+    seed: int = 0
+    device: str = "cpu"
+    input_mode: str = "feature+shifted_token"
+
+
+# -- data ---------------------------------------------------------------------------------------------
+@dataclass
+class Sequences:
+    ids: list[torch.Tensor] = field(default_factory=list)
+    feats: list[torch.Tensor] = field(default_factory=list)
+    mask: list[torch.Tensor] = field(default_factory=list)
+    token_counts: torch.Tensor | None = None
+
+
+def load_split(folder: Path) -> Sequences:
+    shards = sorted(folder.glob("shard_*.safetensors"))
+    if not shards:
+        raise EaglespecError(f"{folder}: no feature shards (run `eaglespec extract` first)")
+    seqs = Sequences()
+    for path in shards:
+        t = read_shard(path)
+        off = t["offsets"].tolist()
+        for a, b in zip(off, off[1:]):
+            seqs.ids.append(t["input_ids"][a:b].long())
+            seqs.feats.append(t["features"][a:b])
+            seqs.mask.append(t["loss_mask"][a:b].bool())
+        c = t["token_counts"]
+        seqs.token_counts = c.clone() if seqs.token_counts is None else seqs.token_counts + c
+    return seqs
+
+
+def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Deterministic batches of conversation indices: shuffle, sort within windows, pack by padded size."""
+    order = list(range(len(lengths)))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    batches: list[list[int]] = []
+    for w in range(0, len(order), 64):
+        window = sorted(order[w:w + 64], key=lambda i: lengths[i])
+        cur: list[int] = []
+        for i in window:
+            if cur and (len(cur) + 1) * max(lengths[j] for j in cur + [i]) > batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+    random.Random(seed * 1000 + epoch + 1).shuffle(batches)
+    return batches
+
+
+def collate(seqs: Sequences, idx: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T = max(seqs.ids[i].numel() for i in idx)
+    H = seqs.feats[idx[0]].shape[-1]
+    ids = torch.zeros(len(idx), T, dtype=torch.long)
+    feats = torch.zeros(len(idx), T, H)
+    mask = torch.zeros(len(idx), T, dtype=torch.bool)
+    for r, i in enumerate(idx):
+        n = seqs.ids[i].numel()
+        ids[r, :n], feats[r, :n], mask[r, :n] = seqs.ids[i], seqs.feats[i].float(), seqs.mask[i]
+    return ids.to(device), feats.to(device), mask.to(device)
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int]) -> torch.Tensor | None:
+    """The `size` most frequent assistant tokens (plus `always`, e.g. EOS), sorted by id."""
+    if size <= 0 or size >= counts.numel():
+        return None
+    top = torch.topk(counts.double() + 1e-3 * torch.rand(counts.numel(), generator=torch.Generator().manual_seed(0)),
+                     size).indices.tolist()
+    chosen = set(top[: size - len(always)]) | set(always)
+    for t in top:
+        if len(chosen) >= size:
+            break
+        chosen.add(t)
+    return torch.tensor(sorted(chosen)[:size], dtype=torch.long)
+
+
+# -- the loss -------------------------------------------------------------------------------------------
+def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor, noise: float,
+               ce_weight: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    """ids, feats, mask: (B, T[, H]). The shift: input (f_j, t_{j+1}) -> prediction of f_{j+1}."""
+    inp_f = feats[:, :-1]
+    if noise > 0:
+        u = torch.rand(inp_f.shape, generator=generator, device="cpu").to(inp_f.device)
+        inp_f = inp_f + (u * 2 - 1) * noise
+    inp_t = ids[:, 1:]
+    target_f = feats[:, 1:]
+    m = mask[:, 1:].float()  # f_{j+1} sits on an assistant token
+    pos = torch.arange(inp_t.shape[1], device=ids.device).expand_as(inp_t)
+    pred = head(inp_f, inp_t, pos)
+    head = getattr(head, "module", head)  # unwrapped (DDP) for the frozen LM head
+    denom = m.sum().clamp_min(1.0)
+    reg = (F.smooth_l1_loss(pred, target_f, reduction="none").mean(-1) * m).sum() / denom
+    with torch.no_grad():
+        p_target = head.logits(target_f).float().softmax(-1)
+    logp = head.logits(pred).float().log_softmax(-1)
+    ce = (-(p_target * logp).sum(-1) * m).sum() / denom
+    with torch.no_grad():
+        acc = ((logp.argmax(-1) == p_target.argmax(-1)).float() * m).sum() / denom
+    return reg + ce_weight * ce, {"reg": float(reg), "ce": float(ce), "acc": float(acc), "tokens": int(m.sum())}
+
+
+@torch.no_grad()
+def unroll_accuracy(head: EagleDraftHead, seqs: Sequences, n: int, steps: int) -> list[float]:
+    """Top-1 agreement of the draft with the target's argmax at unroll steps 1..`steps`.
+
+    The head is fed its own predicted features, as at inference: step s for anchor j sees the real
+    pairs up to j and its own chain of predictions (one forward per step over all anchors, with a
+    mask that adds a diagonal per step).
+    """
+    head.eval()
+    dev = next(head.parameters()).device
+    hit = [0] * steps
+    tot = [0] * steps
+    lm_full = head.lm_head
+    for i in range(min(n, len(seqs.ids))):
+        ids, f, msk = seqs.ids[i].to(dev), seqs.feats[i].to(dev).float(), seqs.mask[i].to(dev)
+        T = ids.numel() - 1
+        if T < 2:
+            continue
+        target_arg = lm_full(f).argmax(-1)  # (T+1,): the target's greedy next token after each position
+        cache = KVCache(T * steps)
+        anchors = torch.arange(T, device=dev)
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        eye = torch.eye(T, dtype=torch.bool, device=dev)
+        x_f = f[:-1]
+        allowed = causal
+        for s in range(1, steps + 1):
+            tok_pos = (anchors + s).clamp(max=T)
+            mask4 = torch.zeros(allowed.shape, device=dev).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            out = head(x_f[None], ids[tok_pos][None], (anchors + s - 1)[None], mask4[None, None], cache)[0]
+            pred = head.to_target_ids(head.logits(out).argmax(-1))
+            valid = (anchors + s <= T) & msk[(anchors + s).clamp(max=T)]
+            hit[s - 1] += int(((pred == target_arg[(anchors + s).clamp(max=T)]) & valid).sum())
+            tot[s - 1] += int(valid.sum())
+            x_f = out
+            allowed = torch.cat([allowed, eye], dim=1)
+    head.train()
+    return [h / t if t else 0.0 for h, t in zip(hit, tot)]
+
+
+def eos_ids(tok, model) -> list[int]:
+    ids = {tok.eos_token_id}
+    g = model.generation_config.eos_token_id
+    ids |= set(g) if isinstance(g, list) else {g}
+    return sorted(i for i in ids if i is not None)
+
+
+# -- the loop -----------------------------------------------------------------------------------------
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _latest(out: Path) -> Path | None:
+    ptr = out / "latest"
+    if not ptr.is_file():
+        return None
+    ck = out / ptr.read_text().strip()
+    if not (ck / "trainer_state.json").is_file():
+        raise CheckpointError(f"{ck}: checkpoint named by {ptr} is incomplete")
+    return ck
+
+
+def train(cfg: TrainConfig, resume: bool = True) -> dict:
+    from accelerate import Accelerator
+
+    from ..models import load_target
+
+    acc = Accelerator(cpu=cfg.device == "cpu")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    feats_dir = Path(cfg.features)
+    target, tok = load_target(cfg.model, device=str(acc.device))
+    for p in target.parameters():
+        p.requires_grad_(False)
+    train_set = load_split(feats_dir / "train")
+    held = load_split(feats_dir / "heldout")
+    if train_set.feats[0].shape[-1] != target.config.hidden_size:
+        raise EaglespecError(f"features in {feats_dir} have hidden size {train_set.feats[0].shape[-1]}, "
+                             f"the target {cfg.model} has {target.config.hidden_size}")
+
+    ck = _latest(out) if resume else None
+    if ck is not None:
+        head = EagleDraftHead.from_pretrained(ck / "head", target)
+        state = json.loads((ck / "trainer_state.json").read_text())
+        if state["config"] != asdict(cfg):
+            diff = {k: (state["config"].get(k), v) for k, v in asdict(cfg).items() if state["config"].get(k) != v}
+            if set(diff) - {"max_steps", "save_every", "epochs"}:
+                raise EaglespecError(f"{out} was trained with other settings {diff}; use another --out")
+    else:
+        torch.manual_seed(cfg.seed)
+        always = eos_ids(tok, target)
+        d2t = draft_vocabulary(train_set.token_counts, cfg.draft_vocab, always)
+        head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t).bind(target)
+        state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
+    head.train()
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    if ck is not None:
+        opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
+    head_p, opt_p = acc.prepare(head, opt)
+
+    lengths = [x.numel() for x in train_set.ids]
+    per_epoch = [epoch_batches(lengths, cfg.batch_tokens, cfg.seed, e) for e in range(cfg.epochs)]
+    schedule = [(e, b) for e in range(cfg.epochs) for b in per_epoch[e]]
+    schedule = schedule[acc.process_index::acc.num_processes]
+    total = len(schedule) if not cfg.max_steps else min(cfg.max_steps, len(schedule))
+    step = state["step"]
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True,
+               disable=not acc.is_main_process)
+    t_start = time.perf_counter()
+    time_before = state["train_time_s"]
+    while step < total:
+        epoch, idx = schedule[step]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, cfg)
+        ids, feats, mask = collate(train_set, idx, str(acc.device))
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumable noise
+        loss, info = eagle_loss(head_p, ids, feats, mask, cfg.noise, cfg.ce_weight, gen)
+        opt_p.zero_grad(set_to_none=True)
+        acc.backward(loss)
+        acc.clip_grad_norm_(head_p.parameters(), cfg.grad_clip)
+        opt_p.step()
+        step += 1
+        state["tokens_seen"] += info["tokens"]
+        elapsed = time_before + time.perf_counter() - t_start
+        state["log"].append({"step": step, "epoch": epoch, "loss": float(loss), **info, "lr": opt.param_groups[0]["lr"],
+                             "time_s": elapsed})
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{info['acc']:.3f}",
+                        tok_s=f"{state['tokens_seen'] / max(elapsed, 1e-9):.0f}")
+        end_of_epoch = step == total or schedule[step][0] != epoch
+        if end_of_epoch and acc.is_main_process:
+            accs = unroll_accuracy(acc.unwrap_model(head_p), held, cfg.eval_conversations, cfg.eval_steps)
+            state["evals"].append({"step": step, "epoch": epoch, "unroll_acc": accs})
+            tqdm.write(f"epoch {epoch} step {step}: held-out step-1..{cfg.eval_steps} accuracy "
+                       + " ".join(f"{a:.3f}" for a in accs))
+        if acc.is_main_process and (step % cfg.save_every == 0 or end_of_epoch):
+            state["step"] = step
+            state["train_time_s"] = time_before + time.perf_counter() - t_start
+            save_checkpoint(out, acc.unwrap_model(head_p), opt, state)
+    bar.close()
+    if acc.is_main_process:
+        final = acc.unwrap_model(head_p)
+        final.metadata = {"train_config": asdict(cfg), "steps": step, "tokens_seen": state["tokens_seen"],
+                          "train_time_s": state["train_time_s"], "evals": state["evals"]}
+        final.save_pretrained(out / "head")
+        plot_curves(state, out / "curves.png")
+    return state
+
+
+def save_checkpoint(out: Path, head: EagleDraftHead, opt: torch.optim.Optimizer, state: dict) -> None:
+    """Write ckpt-<step>/ completely, then flip the `latest` pointer atomically, then drop older ones."""
+    name = f"ckpt-{state['step']:07d}"
+    ck = out / name
+    if ck.exists():
+        shutil.rmtree(ck)
+    head.save_pretrained(ck / "head")
+    atomic_torch_save(opt.state_dict(), ck / "optimizer.pt")
+    atomic_write_json(state, ck / "trainer_state.json")
+    atomic_write_text(name + "\n", out / "latest")
+    atomic_write_json({"log": state["log"], "evals": state["evals"], "tokens_seen": state["tokens_seen"],
+                       "train_time_s": state["train_time_s"]}, out / "train_log.json")
+    for old in out.glob("ckpt-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def plot_curves(state: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log = state["log"]
+    if not log:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    steps = [r["step"] for r in log]
+    for ax, key in zip(axes[:2], ("loss", "acc")):
+        ax.plot(steps, [r[key] for r in log], lw=0.6, alpha=0.5)
+        k = max(1, len(log) // 50)
+        smooth = [sum(r[key] for r in log[max(0, i - k):i + 1]) / len(log[max(0, i - k):i + 1]) for i in range(len(log))]
+        ax.plot(steps, smooth, lw=1.5)
+        ax.set_title(f"train {key}")
+        ax.set_xlabel("step")
+    for ev in state["evals"]:
+        axes[2].plot(range(1, len(ev["unroll_acc"]) + 1), ev["unroll_acc"], marker="o", label=f"step {ev['step']}")
+    axes[2].set_title("held-out accuracy by unroll step")
+    axes[2].set_xlabel("draft step")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

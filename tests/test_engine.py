@@ -1,0 +1,174 @@
+"""End to end: EAGLE's output equals vanilla decoding, token for token (greedy, fp32), and its
+sampling law equals the target's."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eaglespec.cache import KVCache
+from eaglespec.engine import Engine
+from eaglespec.errors import EaglespecError
+from eaglespec.verify import SamplingParams, target_probs
+
+from conftest import good_head, tiny_target
+
+PROMPTS = [[5, 9, 17, 33, 2], [7], [100, 3, 3, 3, 3, 3, 3, 3, 64, 12, 90, 4]]
+
+
+def hf_greedy(model, ids, n, eos=None):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0, repetition_penalty=None, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("tree", ["paper", "chain:1", "chain:4", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]])
+def test_greedy_equals_vanilla_and_hf(tiny_pair, tree):
+    model, head = tiny_pair
+    eng = Engine(model, head, tree=tree)
+    for ids in PROMPTS:
+        ref = hf_greedy(model, ids, 40)
+        van = eng.generate(ids, 40, method="vanilla")
+        eag = eng.generate(ids, 40, method="eagle")
+        assert van.token_ids == ref
+        assert eag.token_ids == ref
+        assert eag.stats.new_tokens == 40 and eag.finish_reason == "length"
+    assert max(eag.stats.accept_lengths) > 1  # drafts were really accepted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_many_seeds_random_heads(seed):
+    model = tiny_target("llama" if seed % 2 else "qwen2", seed=seed, attn_scale=0.2 + 0.1 * seed)
+    head = good_head(model)
+    with torch.no_grad():  # perturb the head so acceptance is partial
+        head.fc.bias.normal_(0, 0.3 * seed)
+    eng = Engine(model, head)
+    ids = torch.randint(2, 128, (3 + seed * 5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    assert eng.generate(ids, 50, method="eagle").token_ids == hf_greedy(model, ids, 50)
+
+
+def test_eos_inside_accepted_path(tiny_pair):
+    model, head = tiny_pair
+    eng = Engine(model, head)
+    ids = PROMPTS[0]
+    base = eng.generate(ids, 60, method="vanilla")
+    # make a token that the eagle run accepts mid-path the EOS, then compare with HF's stopping
+    eag = eng.generate(ids, 60, method="eagle")
+    long_rounds = [i for i, a in enumerate(eag.stats.accept_lengths) if a >= 3]
+    assert long_rounds
+    r = long_rounds[0]
+    pos = sum(eag.stats.accept_lengths[:r]) + 1 + 1  # second token of that round, inside the accepted path
+    eos = base.token_ids[pos]
+    stop = base.token_ids.index(eos)
+    out = eng.generate(ids, 60, method="eagle", eos_token_ids=[eos])
+    assert out.token_ids == base.token_ids[: stop + 1] == hf_greedy(model, ids, 60, eos=eos)
+    assert out.finish_reason == "eos"
+
+
+def test_max_new_tokens_mid_path(tiny_pair):
+    model, head = tiny_pair
+    eng = Engine(model, head)
+    full = eng.generate(PROMPTS[0], 60, method="vanilla").token_ids
+    for n in range(1, 20):
+        out = eng.generate(PROMPTS[0], n, method="eagle")
+        assert out.token_ids == full[:n]
+        assert out.stats.new_tokens == n
+
+
+def test_context_limit_stops_cleanly():
+    model = tiny_target("llama", max_pos=40)
+    eng = Engine(model, good_head(model))
+    ids = list(range(2, 32))
+    e = eng.generate(ids, 100, method="eagle")
+    v = eng.generate(ids, 100, method="vanilla")
+    assert e.token_ids == v.token_ids
+    assert e.finish_reason == v.finish_reason == "context"
+    assert len(ids) + len(e.token_ids) == 41  # the last token needs no position of its own
+
+
+def test_stats(tiny_pair):
+    model, head = tiny_pair
+    out = Engine(model, head).generate(PROMPTS[2], 30, method="eagle")
+    s = out.stats
+    assert s.rounds == len(s.accept_lengths)
+    assert 1 + sum(s.accept_lengths) >= 30
+    assert s.tau > 1
+    assert s.alpha_total[0] == s.rounds
+    assert all(0 <= a <= 1 for a in s.n_alpha if a is not None)
+    assert s.draft_time_s > 0 and s.verify_time_s > 0
+
+
+def test_cache_compaction_equals_fresh_prefill(tiny_pair):
+    """After an accepted path is compacted, the cache equals a fresh prefill of the same tokens."""
+    model, head = tiny_pair
+    eng = Engine(model, head)
+    ids = PROMPTS[2]
+    cache = KVCache(128)
+    eng._target(ids, 0, cache)
+    # verify a paper tree with arbitrary tokens, then keep one root-to-node path
+    tree = eng.tree
+    node_tokens = torch.randint(2, 128, (tree.n,), generator=torch.Generator().manual_seed(0)).tolist()
+    from eaglespec.tree import float_mask, prefix_tree_mask
+    allowed = prefix_tree_mask(tree.ancestor_mask, len(ids))
+    eng._target(node_tokens, len(ids), cache, float_mask(allowed, torch.float32), tree.position_offsets + len(ids))
+    keep = [0, 1, 5, 13, 21]
+    cache.compact(len(ids), torch.tensor(keep))
+    fresh = KVCache(128)
+    eng._target(ids + [node_tokens[i] for i in keep], 0, fresh)
+    assert cache.get_seq_length() == fresh.get_seq_length() == len(ids) + len(keep)
+    for a, b in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_requests(tiny_pair):
+    model, head = tiny_pair
+    eng = Engine(model, head)
+    with pytest.raises(EaglespecError, match="empty"):
+        eng.generate([], 5)
+    with pytest.raises(EaglespecError, match="max_new_tokens"):
+        eng.generate([3], 0)
+    with pytest.raises(EaglespecError, match="context"):
+        eng.generate(list(range(600)), 5)
+    with pytest.raises(EaglespecError, match="head"):
+        Engine(model).generate([3], 5, method="eagle")
+
+
+# -- sampling: the law of the first three tokens equals the target's, enumerated exactly ----------
+def exact_three_token_law(model, ids, sp):
+    V = model.config.vocab_size
+    with torch.no_grad():
+        seqs = torch.tensor([ids + list(t) for t in itertools.product(range(V), repeat=2)])
+        logits = model(seqs).logits.float()
+        p1 = target_probs(logits[0, len(ids) - 1], sp)
+        p2 = target_probs(logits[:, len(ids)].view(V, V, V)[:, 0], sp)  # p(t2 | t1)
+        p3 = target_probs(logits[:, len(ids) + 1], sp).view(V, V, V)  # p(t3 | t1, t2)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("draft_sampling", ["topk", "sample"])
+def test_sampling_law_of_first_three_tokens(draft_sampling):
+    V = 8
+    model = tiny_target("llama", seed=11, vocab=V)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.3)  # flatter distributions: every branch matters
+    head = good_head(model)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
+    ids = [2, 5, 3]
+    law = exact_three_token_law(model, ids, sp).flatten()
+    eng = Engine(model, head, tree=[[0], [1], [0, 0], [0, 1], [1, 0]], draft_sampling=draft_sampling)
+    n = 4000
+    counts = torch.zeros(V ** 3)
+    for s in range(n):
+        t = eng.generate(ids, 3, sampling=sp, seed=s).token_ids
+        counts[t[0] * V * V + t[1] * V + t[2]] += 1
+    keep = law > 0
+    assert counts[~keep].sum() == 0
+    # pool rare outcomes so every expected count is >= 5
+    exp = law[keep] * n
+    obs = counts[keep]
+    big = exp >= 5
+    f_obs = torch.cat([obs[big], obs[~big].sum()[None]]).numpy()
+    f_exp = torch.cat([exp[big], exp[~big].sum()[None]]).numpy()
+    assert chisquare(f_obs, f_exp).pvalue > 1e-3
