@@ -68,3 +68,28 @@ def random_head_pair():
     model = tiny_target("llama", seed=3)
     torch.manual_seed(5)
     return model, EagleDraftHead(model.config).bind(model).eval()
+
+
+def save_tiny_dir(root: Path) -> Path:
+    """A tiny model + word-level tokenizer (with a chat template) + good head on disk, for CLI tests."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_target("llama")
+    model.save_pretrained(root / "model")
+    vocab = {f"w{i}": i for i in range(128)}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="w1", unk_token="w0", pad_token="w0")
+    tok.chat_template = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+                         "{% if add_generation_prompt %}w4{% endif %}")
+    tok.save_pretrained(root / "model")
+    good_head(model).save_pretrained(root / "head")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    root = save_tiny_dir(tmp_path_factory.mktemp("tiny"))
+    good_head(tiny_target("llama", vocab=64)).save_pretrained(root / "head_small_vocab")
+    return root

@@ -6,38 +6,37 @@ import sys
 
 import pytest
 
-from conftest import good_head, tiny_target
 
 
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    model = tiny_target("llama")
-    model.save_pretrained(root / "model")
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(128)}
-    t = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    t.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="w1", unk_token="w0", pad_token="w0")
-    tok.save_pretrained(root / "model")
-    good_head(model).save_pretrained(root / "head")
-    other = tiny_target("llama", vocab=64)
-    good_head(other).save_pretrained(root / "head_small_vocab")
-    return root
-
-
-def run(*args):
+def run_subprocess(*args):
     r = subprocess.run([sys.executable, "-m", "eaglespec.cli", *args], capture_output=True, text=True, timeout=300)
     return r.returncode, r.stdout, r.stderr
 
 
-def gen(d, *extra):
-    return run("generate", "--model", str(d / "model"), "--head", str(d / "head"), "--no-chat", *extra)
+@pytest.fixture
+def run(capsys):
+    """The CLI in-process (fast); `test_subprocess_exit_code` checks the real process once."""
+    from eaglespec.cli import main
+
+    def call(*args):
+        rc = main(list(args))
+        out, err = capsys.readouterr()
+        return rc, out, err
+    return call
 
 
-def test_generate_json_eagle_equals_vanilla(tiny_dirs):
+@pytest.fixture
+def gen(run):
+    return lambda d, *extra: run("generate", "--model", str(d / "model"), "--head", str(d / "head"), "--no-chat", *extra)
+
+
+def test_subprocess_exit_code(tiny_dirs):
+    rc, out, err = run_subprocess("generate", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"),
+                                  "--no-chat", "--prompt", "w3", "--top-p", "2")
+    assert rc == 2 and err.strip() == "eaglespec: error: top_p must be in (0, 1], got 2.0"
+
+
+def test_generate_json_eagle_equals_vanilla(tiny_dirs, gen):
     rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "20", "--json")
     assert rc == 0, err
     e = json.loads(out)
@@ -49,7 +48,7 @@ def test_generate_json_eagle_equals_vanilla(tiny_dirs):
     assert json.loads(out)["token_ids"] == e["token_ids"]
 
 
-def test_generate_streams_text(tiny_dirs):
+def test_generate_streams_text(tiny_dirs, gen):
     rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "1")
     assert rc == 0, err
     assert out.strip().startswith("w")
@@ -65,25 +64,25 @@ def test_generate_streams_text(tiny_dirs):
     (["--prompt", " ".join(["w3"] * 600)], "context"),
     (["--prompt", "w3", "--tree", "bushy"], "unknown tree"),
 ])
-def test_bad_input(tiny_dirs, extra, msg):
+def test_bad_input(tiny_dirs, gen, extra, msg):
     rc, out, err = gen(tiny_dirs, *extra)
     assert rc == 2
     assert msg in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
 
 
-def test_unknown_model():
+def test_unknown_model(run):
     rc, _, err = run("generate", "--model", "no-such-model", "--prompt", "hi")
     assert rc == 2 and "unknown model" in err and "Traceback" not in err
 
 
-def test_head_that_does_not_fit(tiny_dirs):
+def test_head_that_does_not_fit(tiny_dirs, run):
     rc, _, err = run("generate", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head_small_vocab"),
                      "--no-chat", "--prompt", "w3")
     assert rc == 2 and "vocab_size: head 64 vs target 128" in err and "Traceback" not in err
 
 
-def test_corrupt_and_foreign_checkpoints(tiny_dirs, tmp_path):
+def test_corrupt_and_foreign_checkpoints(tiny_dirs, tmp_path, run):
     import shutil
 
     bad = tmp_path / "bad"

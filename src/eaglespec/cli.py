@@ -66,12 +66,30 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="interleaved speed / acceptance benchmark against vanilla and peers")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
+    p.add_argument("--dataset", default="mt_bench", help="comma list: mt_bench,humaneval,gsm8k,alpaca or FILE.jsonl")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--temperature", default="0", help="comma list, e.g. 0,1")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default="vanilla,eagle,eagle-chain,hf,pld")
+    p.add_argument("--tree", default="paper")
+    p.add_argument("--chain", default="chain:5")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="10 MT-bench questions, 128 tokens, T=0")
+    p.add_argument("--out", required=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eaglespec", description="Lossless EAGLE speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_extract(sub)
     _add_train(sub)
+    _add_bench(sub)
     return ap
 
 
@@ -149,11 +167,45 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .bench.harness import METHODS, BenchConfig, run_bench
+
+    if a.batch_size != 1:
+        raise EaglespecError("--batch-size > 1 is not supported yet: the engine decodes one sequence at a time")
+    if a.quick:
+        a.dataset, a.limit, a.max_new_tokens, a.temperature = "mt_bench", 10, 128, "0"
+    methods = tuple(m.strip() for m in a.methods.split(",") if m.strip())
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise EaglespecError(f"unknown method(s) {bad}; choose from {METHODS}")
+    try:
+        temps = tuple(float(t) for t in a.temperature.split(","))
+    except ValueError:
+        raise EaglespecError(f"--temperature must be a comma list of numbers, got {a.temperature!r}") from None
+    head = a.head or default_head(a.model)
+    if head is None and any(m.startswith("eagle") for m in methods):
+        raise EaglespecError(f"no draft head for {a.model}: pass --head or drop the eagle methods")
+    if a.max_new_tokens < 1:
+        raise EaglespecError("--max-new-tokens must be >= 1")
+    cfg = BenchConfig(model=a.model, head=head, datasets=tuple(a.dataset.split(",")), limit=a.limit,
+                      temperatures=temps, max_new_tokens=a.max_new_tokens, methods=methods, tree=a.tree,
+                      chain=a.chain, seed=a.seed, out=a.out)
+    result = run_bench(cfg)
+    print(open(Path(a.out) / "report.md").read())
+    bad_eq = [r for r in result["summary"] if r["greedy_equal"] is False]
+    if bad_eq:
+        print("eaglespec: error: greedy output differs from vanilla for "
+              + ", ".join(f"{r['method']} on {r['dataset']}" for r in bad_eq), file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return {"generate": cmd_generate, "extract": cmd_extract, "train": cmd_train}[args.command](args)
+        return {"generate": cmd_generate, "extract": cmd_extract, "train": cmd_train,
+                "bench": cmd_bench}[args.command](args)
     except (EaglespecError, ValueError) as e:
         print(f"eaglespec: error: {e}", file=sys.stderr)
         return 2

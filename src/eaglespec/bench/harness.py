@@ -1,0 +1,276 @@
+"""One benchmark harness: every method in one process, question by question, interleaved, after warm-up.
+
+Methods: ``vanilla`` (the engine's plain decoding, the baseline), ``eagle`` (chosen tree),
+``eagle-chain`` (the paper's chain ablation), ``hf`` (``model.generate``), ``pld`` (transformers'
+prompt-lookup decoding, greedy only).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..engine import Engine
+from ..errors import EaglespecError
+from ..io import atomic_write_json, atomic_write_text
+from ..verify import SamplingParams
+from .datasets import load_questions
+
+METHODS = ("vanilla", "eagle", "eagle-chain", "hf", "pld")
+GREEDY_ONLY = {"pld": "transformers' prompt lookup is greedy-only here"}
+
+
+@dataclass
+class BenchConfig:
+    model: str = "smollm2-135m-instruct"
+    head: str | None = None
+    datasets: tuple[str, ...] = ("mt_bench",)
+    limit: int | None = None
+    temperatures: tuple[float, ...] = (0.0,)
+    max_new_tokens: int = 128
+    methods: tuple[str, ...] = ("vanilla", "eagle", "hf")
+    tree: str = "paper"
+    chain: str = "chain:5"
+    seed: int = 0
+    out: str = "bench_out"
+    warmup: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+class Runner:
+    def __init__(self, model, tok, head, cfg: BenchConfig):
+        self.model, self.tok, self.cfg = model, tok, cfg
+        self.eos = sorted({t for t in [tok.eos_token_id, *_as_list(model.generation_config.eos_token_id)]
+                           if t is not None})
+        self.engines = {"vanilla": Engine(model, None)}
+        if head is not None:
+            self.engines["eagle"] = Engine(model, head, tree=cfg.tree)
+            self.engines["eagle-chain"] = Engine(model, head, tree=cfg.chain)
+
+    def run(self, method: str, ids: list[int], sp: SamplingParams, seed: int) -> dict[str, Any]:
+        n = self.cfg.max_new_tokens
+        if method in ("vanilla", "eagle", "eagle-chain"):
+            eng = self.engines.get(method)
+            if eng is None:
+                raise EaglespecError(f"method {method!r} needs a draft head")
+            out = eng.generate(ids, n, sp, "vanilla" if method == "vanilla" else "eagle", seed, self.eos)
+            s = out.stats
+            return {"token_ids": out.token_ids, "new_tokens": s.new_tokens, "time_s": s.time_s,
+                    "rounds": s.rounds, "accepted": sum(s.accept_lengths), "draft_time_s": s.draft_time_s,
+                    "verify_time_s": s.verify_time_s, "prefill_time_s": s.prefill_time_s,
+                    "alpha_accepted": s.alpha_accepted, "alpha_total": s.alpha_total}
+        kwargs: dict[str, Any] = dict(max_new_tokens=n, eos_token_id=self.eos, pad_token_id=self.eos[0],
+                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      repetition_penalty=None)
+        if sp.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
+        if method == "pld":
+            kwargs["prompt_lookup_num_tokens"] = 10
+        elif method != "hf":
+            raise EaglespecError(f"unknown method {method!r}; choose from {METHODS}")
+        torch.manual_seed(seed)
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            y = self.model.generate(x, **kwargs)
+        dt = time.perf_counter() - t0
+        toks = y[0, len(ids):].tolist()
+        return {"token_ids": toks, "new_tokens": len(toks), "time_s": dt}
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def _chat_ids(tok, history: list[dict]) -> list[int]:
+    return tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    from ..head import EagleDraftHead
+    from ..models import load_target
+
+    model, tok = load_target(cfg.model)
+    head = EagleDraftHead.from_pretrained(cfg.head, model) if cfg.head else None
+    runner = Runner(model, tok, head, cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # warm-up: every method once, untimed
+    warm_ids = _chat_ids(tok, [{"role": "user", "content": "Say hello."}])
+    for m in cfg.methods:
+        for _ in range(cfg.warmup):
+            runner.run(m, warm_ids, SamplingParams(), 0)
+    records: list[dict] = []
+    skipped: dict[str, str] = {}
+    for temp in cfg.temperatures:
+        sp = SamplingParams(temperature=temp)
+        methods = [m for m in cfg.methods if not (temp > 0 and m in GREEDY_ONLY)]
+        for m in set(cfg.methods) - set(methods):
+            skipped[f"{m}@T={temp}"] = GREEDY_ONLY[m]
+        for ds in cfg.datasets:
+            questions = load_questions(ds, cfg.limit)
+            bar = tqdm(questions, desc=f"{ds} T={temp}", unit="q", dynamic_ncols=True)
+            tok_done, t_done = 0, 0.0
+            for qi, q in enumerate(bar):
+                order = methods if qi % 2 == 0 else methods[::-1]  # A B, then B A
+                for m in order:
+                    history: list[dict] = []
+                    for turn_i, turn in enumerate(q["turns"]):
+                        history.append({"role": "user", "content": turn})
+                        ids = _chat_ids(tok, history)
+                        r = runner.run(m, ids, sp, cfg.seed + qi * 7 + turn_i)
+                        history.append({"role": "assistant",
+                                        "content": tok.decode(r["token_ids"], skip_special_tokens=True)})
+                        records.append({"dataset": ds, "temperature": temp, "question_id": q["question_id"],
+                                        "category": q.get("category", ""), "turn": turn_i, "method": m,
+                                        "prompt_tokens": len(ids), **r})
+                        if m == "vanilla":
+                            tok_done += r["new_tokens"]
+                            t_done += r["time_s"]
+                bar.set_postfix(vanilla_tok_s=f"{tok_done / max(t_done, 1e-9):.1f}")
+            bar.close()
+            atomic_write_json({"config": cfg.__dict__, "records": records}, out / "results.json")
+    check_equality(records)
+    summary = summarize(records, cfg)
+    result = {"config": {k: v for k, v in cfg.__dict__.items()}, "machine": machine(), "skipped": skipped,
+              "summary": summary, "records": records}
+    atomic_write_json(result, out / "results.json")
+    atomic_write_text(report_markdown(result), out / "report.md")
+    plot_speedups(summary, out / "speedup.png")
+    return result
+
+
+def check_equality(records: list[dict]) -> None:
+    """At temperature 0 every method must produce vanilla's tokens; marks each record."""
+    base = {(r["dataset"], r["question_id"], r["turn"]): r["token_ids"] for r in records
+            if r["method"] == "vanilla" and r["temperature"] == 0}
+    for r in records:
+        key = (r["dataset"], r["question_id"], r["turn"])
+        if r["temperature"] == 0 and key in base:
+            r["equal_to_vanilla"] = r["token_ids"] == base[key]
+
+
+def summarize(records: list[dict], cfg: BenchConfig) -> list[dict]:
+    rows = []
+    groups = sorted({(r["dataset"], r["temperature"]) for r in records})
+    for ds, temp in groups:
+        recs = [r for r in records if r["dataset"] == ds and r["temperature"] == temp]
+        by_method = {m: [r for r in recs if r["method"] == m] for m in cfg.methods}
+
+        def tps(rs):
+            t = sum(r["time_s"] for r in rs)
+            return sum(r["new_tokens"] for r in rs) / t if t else 0.0
+
+        def per_q(rs):
+            return {(r["question_id"], r["turn"]): r["new_tokens"] / r["time_s"] for r in rs if r["time_s"] > 0}
+
+        base_v, base_h = tps(by_method.get("vanilla", [])), tps(by_method.get("hf", []))
+        pq_v = per_q(by_method.get("vanilla", []))
+        for m, rs in by_method.items():
+            if not rs:
+                continue
+            row = {"dataset": ds, "temperature": temp, "method": m, "questions": len({r["question_id"] for r in rs}),
+                   "new_tokens": sum(r["new_tokens"] for r in rs), "time_s": sum(r["time_s"] for r in rs),
+                   "tokens_per_s": tps(rs)}
+            row["speedup_vs_vanilla"] = row["tokens_per_s"] / base_v if base_v else None
+            row["speedup_vs_hf"] = row["tokens_per_s"] / base_h if base_h else None
+            ratios = [v / pq_v[k] for k, v in per_q(rs).items() if k in pq_v and pq_v[k] > 0]
+            row["median_ratio_vs_vanilla"] = statistics.median(ratios) if ratios else None
+            if "rounds" in rs[0]:
+                rounds = sum(r["rounds"] for r in rs)
+                row["tau"] = sum(r["accepted"] for r in rs) / rounds if rounds else None
+                n = max(len(r["alpha_total"]) for r in rs)
+                acc_ = [sum(r["alpha_accepted"][i] for r in rs if i < len(r["alpha_accepted"])) for i in range(n)]
+                tot_ = [sum(r["alpha_total"][i] for r in rs if i < len(r["alpha_total"])) for i in range(n)]
+                row["n_alpha"] = [a / t if t else None for a, t in zip(acc_, tot_)]
+                dt, vt = sum(r["draft_time_s"] for r in rs), sum(r["verify_time_s"] for r in rs)
+                row["time_split"] = {"draft": dt / row["time_s"], "verify": vt / row["time_s"],
+                                     "other": 1 - (dt + vt) / row["time_s"]}
+            eq = [r.get("equal_to_vanilla") for r in rs if "equal_to_vanilla" in r]
+            row["greedy_equal"] = (all(eq) if eq else None)
+            rows.append(row)
+    return rows
+
+
+def machine() -> dict:
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def _f(x, nd=2, pct=False):
+    if x is None:
+        return "n/a"
+    return f"{100 * x:.0f}%" if pct else f"{x:.{nd}f}"
+
+
+def report_markdown(result: dict) -> str:
+    cfg, mach = result["config"], result["machine"]
+    lines = [f"# eaglespec benchmark", "",
+             f"- model: `{cfg['model']}`, head: `{cfg['head']}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
+             f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}",
+             f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
+             f"transformers {mach['transformers']}; {mach['date']}", ""]
+    for (ds, temp) in sorted({(r["dataset"], r["temperature"]) for r in result["summary"]}):
+        lines += [f"## {ds}, temperature {temp}", "",
+                  "| method | tok/s | speedup vs vanilla | vs hf | median per-question | tau | 0-α | 1-α | 2-α | 3-α | 4-α | draft / verify / other | tokens | greedy = vanilla |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["summary"]:
+            if r["dataset"] != ds or r["temperature"] != temp:
+                continue
+            na = (r.get("n_alpha") or []) + [None] * 5
+            split = r.get("time_split")
+            split_s = "/".join(_f(split[k], pct=True) for k in ("draft", "verify", "other")) if split else "n/a"
+            eq = {True: "yes", False: "**NO**", None: "n/a"}[r["greedy_equal"]]
+            lines.append(f"| {r['method']} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup_vs_vanilla'])}x | "
+                         f"{_f(r['speedup_vs_hf'])}x | {_f(r['median_ratio_vs_vanilla'])}x | {_f(r.get('tau'))} | "
+                         + " | ".join(_f(a) for a in na[:5]) + f" | {split_s} | {r['new_tokens']} | {eq} |")
+        lines.append("")
+    for k, why in result["skipped"].items():
+        lines.append(f"- `{k}` not run: {why}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot_speedups(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["dataset"], r["temperature"]) for r in summary})
+    methods = [m for m in METHODS if any(r["method"] == m for r in summary)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * len(methods) / 2), 4))
+    w = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        ys = [next((r["speedup_vs_vanilla"] or 0 for r in summary if (r["dataset"], r["temperature"]) == g
+                    and r["method"] == m), 0) for g in groups]
+        ax.bar([x + i * w for x in range(len(groups))], ys, w, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([x + w * (len(methods) - 1) / 2 for x in range(len(groups))])
+    ax.set_xticklabels([f"{d}\nT={t}" for d, t in groups])
+    ax.set_ylabel("speedup vs vanilla (tokens/s ratio)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,47 @@
+"""The harness end to end on a tiny model: files, fields, and the greedy-equality check."""
+
+import json
+
+import pytest
+
+from conftest import SHARED
+
+
+def test_bench_end_to_end(tiny_dirs, tmp_path, capsys):
+    from eaglespec.cli import main
+
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps({"question_id": i, "category": "x", "turns": [f"w{5 + i} w9", "w7"]})
+                               for i in range(3)))
+    datasets = [str(qfile)]
+    if (SHARED / "data" / "eval" / "gsm8k" / "question.jsonl").is_file():
+        datasets.append("gsm8k")
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"),
+               "--dataset", ",".join(datasets), "--limit", "2", "--temperature", "0,1", "--max-new-tokens", "12",
+               "--methods", "vanilla,eagle,eagle-chain,hf,pld", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "report.md").is_file() and (out / "speedup.png").stat().st_size > 1000
+    recs = res["records"]
+    # two turns per question for the local file (multi-turn like MT-bench)
+    assert {r["turn"] for r in recs if r["dataset"] == str(qfile)} == {0, 1}
+    greedy = [r for r in recs if r["temperature"] == 0 and r["method"] != "vanilla"]
+    assert greedy and all(r["equal_to_vanilla"] for r in greedy)
+    rows = {(r["dataset"], r["temperature"], r["method"]): r for r in res["summary"]}
+    eagle = rows[(str(qfile), 0.0, "eagle")]
+    for key in ("tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf", "median_ratio_vs_vanilla", "tau", "n_alpha",
+                "time_split", "greedy_equal"):
+        assert key in eagle
+    assert eagle["greedy_equal"] is True and eagle["tau"] > 1
+    assert (str(qfile), 1.0, "pld") not in rows and "pld@T=1.0" in res["skipped"]
+    report = (out / "report.md").read_text()
+    assert "| eagle |" in report and "not run" in report
+
+
+def test_bench_rejects_bad_method(tiny_dirs, tmp_path, capsys):
+    from eaglespec.cli import main
+
+    assert main(["bench", "--model", str(tiny_dirs / "model"), "--methods", "vanilla,medusa", "--out",
+                 str(tmp_path)]) == 2
+    assert "unknown method" in capsys.readouterr().err
