@@ -59,9 +59,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--features", required=True)
     p.add_argument("--out", required=True)
     defaults = TrainConfig(features="", out="")
-    for name in ("model", "epochs", "lr", "warmup_steps", "batch_tokens", "noise", "ce_weight", "grad_clip",
-                 "draft_vocab", "eval_conversations", "save_every", "max_steps", "seed", "device", "input_mode"):
-        val = getattr(defaults, name)
+    from dataclasses import fields
+
+    for f in fields(TrainConfig):
+        if f.name in ("features", "out"):
+            continue
+        name, val = f.name, getattr(defaults, f.name)
         p.add_argument("--" + name.replace("_", "-"), type=type(val), default=val)
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
 
@@ -79,6 +82,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chain", default="chain:5")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--first-turn-only", action="store_true", help="only the first turn of multi-turn questions")
     p.add_argument("--quick", action="store_true", help="10 MT-bench questions, 128 tokens, T=0")
     p.add_argument("--out", required=True)
 
@@ -189,7 +193,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise EaglespecError("--max-new-tokens must be >= 1")
     cfg = BenchConfig(model=a.model, head=head, datasets=tuple(a.dataset.split(",")), limit=a.limit,
                       temperatures=temps, max_new_tokens=a.max_new_tokens, methods=methods, tree=a.tree,
-                      chain=a.chain, seed=a.seed, out=a.out)
+                      chain=a.chain, seed=a.seed, out=a.out, first_turn_only=a.first_turn_only)
     result = run_bench(cfg)
     print(open(Path(a.out) / "report.md").read())
     bad_eq = [r for r in result["summary"] if r["greedy_equal"] is False]

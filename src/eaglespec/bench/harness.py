@@ -42,6 +42,7 @@ class BenchConfig:
     seed: int = 0
     out: str = "bench_out"
     warmup: int = 1
+    first_turn_only: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -125,7 +126,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 order = methods if qi % 2 == 0 else methods[::-1]  # A B, then B A
                 for m in order:
                     history: list[dict] = []
-                    for turn_i, turn in enumerate(q["turns"]):
+                    turns = q["turns"][:1] if cfg.first_turn_only else q["turns"]
+                    for turn_i, turn in enumerate(turns):
                         history.append({"role": "user", "content": turn})
                         ids = _chat_ids(tok, history)
                         r = runner.run(m, ids, sp, cfg.seed + qi * 7 + turn_i)
