@@ -146,7 +146,8 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
     ce = (-(p_target * logp).sum(-1) * m).sum() / denom
     with torch.no_grad():
         acc = ((logp.argmax(-1) == p_target.argmax(-1)).float() * m).sum() / denom
-    return reg + ce_weight * ce, {"reg": float(reg), "ce": float(ce), "acc": float(acc), "tokens": int(m.sum())}
+    reg_d, ce_d = reg.detach(), ce.detach()
+    return reg + ce_weight * ce, {"reg": reg_d.item(), "ce": ce_d.item(), "acc": acc.item(), "tokens": int(m.sum())}
 
 
 @torch.no_grad()
@@ -255,13 +256,14 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     per_epoch = [epoch_batches(lengths, cfg.batch_tokens, cfg.seed, e) for e in range(cfg.epochs)]
     schedule = [(e, b) for e in range(cfg.epochs) for b in per_epoch[e]]
     schedule = schedule[acc.process_index::acc.num_processes]
-    total = len(schedule) if not cfg.max_steps else min(cfg.max_steps, len(schedule))
+    total = len(schedule)  # the LR schedule spans all epochs; max_steps only stops early
+    stop = min(cfg.max_steps, total) if cfg.max_steps else total
     step = state["step"]
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True,
+    bar = tqdm(total=stop, initial=step, desc="train", unit="step", dynamic_ncols=True,
                disable=not acc.is_main_process)
     t_start = time.perf_counter()
     time_before = state["train_time_s"]
-    while step < total:
+    while step < stop:
         epoch, idx = schedule[step]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg)
@@ -280,7 +282,7 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{info['acc']:.3f}",
                         tok_s=f"{state['tokens_seen'] / max(elapsed, 1e-9):.0f}")
-        end_of_epoch = step == total or schedule[step][0] != epoch
+        end_of_epoch = step == stop or schedule[step][0] != epoch
         if end_of_epoch and acc.is_main_process:
             accs = unroll_accuracy(acc.unwrap_model(head_p), held, cfg.eval_conversations, cfg.eval_steps)
             state["evals"].append({"step": step, "epoch": epoch, "unroll_acc": accs})

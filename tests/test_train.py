@@ -1,0 +1,192 @@
+"""Training: the loss by hand, the shift, the mask, eval without noise, exact resume, bad shards."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from eaglespec.errors import CheckpointError, EaglespecError
+from eaglespec.head import EagleDraftHead
+from eaglespec.train.data import render, stream_json_array, to_messages
+from eaglespec.train.extract import ExtractConfig, extract, read_shard
+from eaglespec.train.trainer import (Sequences, TrainConfig, draft_vocabulary, eagle_loss, train,
+                                     unroll_accuracy)
+
+from conftest import tiny_target
+
+
+@pytest.fixture
+def head_and_batch():
+    model = tiny_target("llama", seed=2)
+    torch.manual_seed(0)
+    head = EagleDraftHead(model.config).bind(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 128, (2, 7), generator=g)
+    feats = torch.randn(2, 7, 64, generator=g)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1], [0, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    return model, head, ids, feats, mask
+
+
+def test_loss_matches_hand_computation_and_shift(head_and_batch):
+    model, head, ids, feats, mask = head_and_batch
+    loss, info = eagle_loss(head, ids, feats, mask, noise=0.0, ce_weight=0.1)
+    # by hand, one position at a time: input (f_j, t_{j+1}) for j < 6, target f_{j+1}
+    regs, ces = [], []
+    for b in range(2):
+        pos = torch.arange(6)[None]
+        pred = head(feats[b:b + 1, :-1], ids[b:b + 1, 1:], pos)[0]
+        for j in range(6):
+            if not mask[b, j + 1]:
+                continue
+            regs.append(F.smooth_l1_loss(pred[j], feats[b, j + 1]))
+            p = model.lm_head(feats[b, j + 1]).softmax(-1)
+            ces.append(-(p * model.lm_head(pred[j]).log_softmax(-1)).sum())
+    want = torch.stack(regs).mean() + 0.1 * torch.stack(ces).mean()
+    torch.testing.assert_close(loss, want)
+    assert info["tokens"] == int(mask[:, 1:].sum())
+
+
+def test_shift_feature_j_pairs_with_token_j_plus_1(head_and_batch):
+    """Changing t_{j+1} must change the prediction at position j (and nothing before it)."""
+    _, head, ids, feats, mask = head_and_batch
+    pos = torch.arange(6)[None]
+    a = head(feats[:1, :-1], ids[:1, 1:], pos)
+    ids2 = ids.clone()
+    ids2[0, 4] = (ids2[0, 4] + 1) % 128  # t_4 is the input token at position j = 3
+    b = head(feats[:1, :-1], ids2[:1, 1:], pos)
+    assert torch.equal(a[0, :3], b[0, :3]) and not torch.allclose(a[0, 3], b[0, 3])
+
+
+def test_masked_positions_carry_no_loss(head_and_batch):
+    _, head, ids, feats, mask = head_and_batch
+    cut = mask.clone()
+    cut[0, 6] = False  # f_6 is only ever a target (never an input): mask its position out
+    l1, _ = eagle_loss(head, ids, feats, cut, 0.0, 0.1)
+    feats2 = feats.clone()
+    feats2[0, 6] += 100.0
+    l2, _ = eagle_loss(head, ids, feats2, cut, 0.0, 0.1)
+    torch.testing.assert_close(l1, l2)
+    l3, _ = eagle_loss(head, ids, feats2, mask, 0.0, 0.1)
+    assert not torch.allclose(l1, l3)  # unmasked, the same change does count
+
+
+def test_noise_only_in_training(head_and_batch, monkeypatch):
+    model, head, ids, feats, mask = head_and_batch
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
+    a, _ = eagle_loss(head, ids, feats, mask, 0.1, 0.1, g1)
+    b, _ = eagle_loss(head, ids, feats, mask, 0.1, 0.1, g2)
+    assert not torch.allclose(a, b)  # noise is really applied in training
+    seqs = Sequences(ids=[ids[0]], feats=[feats[0]], mask=[mask[0]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: (_ for _ in ()).throw(AssertionError("noise at eval")))
+    r1 = unroll_accuracy(head, seqs, 1, 3)
+    assert r1 == unroll_accuracy(head, seqs, 1, 3) and len(r1) == 3
+
+
+def test_unroll_step1_equals_plain_forward(head_and_batch):
+    model, head, ids, feats, mask = head_and_batch
+    full = torch.ones(7, dtype=torch.bool)
+    seqs = Sequences(ids=[ids[0]], feats=[feats[0]], mask=[full])
+    acc = unroll_accuracy(head, seqs, 1, 1)[0]
+    pred = head(feats[:1, :-1], ids[:1, 1:], torch.arange(6)[None])[0]
+    want = (model.lm_head(pred).argmax(-1) == model.lm_head(feats[0, 1:]).argmax(-1)).float().mean()
+    assert abs(acc - float(want)) < 1e-6
+
+
+def test_draft_vocabulary_keeps_frequent_and_eos():
+    counts = torch.zeros(50, dtype=torch.long)
+    counts[10:20] = torch.arange(10, 20)
+    d2t = draft_vocabulary(counts, 5, always=[1])
+    assert d2t.tolist() == [1, 16, 17, 18, 19]
+    assert draft_vocabulary(counts, 0, [1]) is None
+
+
+def test_sharegpt_parsing_of_truncated_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text('[{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},'
+                 ' {"conversations": [{"from": "human", "va')
+    recs = list(stream_json_array(p))
+    assert len(recs) == 1
+    assert to_messages(recs[0]["conversations"]) == [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "yo"}]
+    assert to_messages([{"from": "gpt", "value": "x"}]) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_features(tmp_path_factory):
+    from conftest import save_tiny_dir
+
+    root = save_tiny_dir(tmp_path_factory.mktemp("trainfeat"))
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(40):
+        turns = []
+        for k in range(4):
+            words = " ".join(f"w{int(t)}" for t in torch.randint(5, 128, (int(torch.randint(3, 15, (1,), generator=g)),), generator=g))
+            turns.append({"from": "human" if k % 2 == 0 else "gpt", "value": words})
+        lines.append(json.dumps({"conversations": turns}))
+    (root / "convs.jsonl").write_text("\n".join(lines))
+    cfg = ExtractConfig(model=str(root / "model"), out_dir=str(root / "feats"), data=str(root / "convs.jsonl"),
+                        max_len=64, max_tokens=10_000, heldout=4, conversations_per_shard=8)
+    rep = extract(cfg)
+    assert rep["train"]["tokens"] > 0
+    return root
+
+
+def test_render_masks_assistant_tokens(tiny_features):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_features / "model")
+    msgs = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7 w8"}]
+    ids, mask = render(msgs, tok, 100)
+    assert [i for i, m in zip(ids, mask) if m] == [7, 8, 3]  # the reply and its end-of-turn token
+
+
+def test_extract_resumes_and_features_match_the_model(tiny_features):
+    from transformers import AutoModelForCausalLM
+
+    root = tiny_features
+    shards = sorted((root / "feats" / "train").glob("*.safetensors"))
+    t = read_shard(shards[0])
+    model = AutoModelForCausalLM.from_pretrained(root / "model")
+    a, b = t["offsets"][:2].tolist()
+    with torch.no_grad():
+        h = model.model(t["input_ids"][a:b].long()[None]).last_hidden_state[0]
+    torch.testing.assert_close(t["features"][a:b].float(), h, atol=2e-2, rtol=1e-2)  # fp16 storage
+    # resume: delete one shard, re-run, get the same file back
+    before = load_file(str(shards[1]))
+    shards[1].unlink()
+    extract(ExtractConfig(model=str(root / "model"), out_dir=str(root / "feats"), data=str(root / "convs.jsonl"),
+                          max_len=64, max_tokens=10_000, heldout=4, conversations_per_shard=8))
+    after = load_file(str(shards[1]))
+    assert torch.equal(before["input_ids"], after["input_ids"])
+
+
+def test_resume_equals_uninterrupted(tiny_features, tmp_path):
+    root = tiny_features
+    common = dict(features=str(root / "feats"), model=str(root / "model"), epochs=2, batch_tokens=128,
+                  draft_vocab=0, eval_conversations=2, save_every=1, warmup_steps=2, lr=1e-3)
+    full = train(TrainConfig(out=str(tmp_path / "a"), max_steps=5, **common))
+    train(TrainConfig(out=str(tmp_path / "b"), max_steps=3, **common))  # "interrupted" after step 3
+    ck = json.loads((tmp_path / "b" / (tmp_path / "b" / "latest").read_text().strip() / "trainer_state.json").read_text())
+    assert ck["step"] == 3
+    resumed = train(TrainConfig(out=str(tmp_path / "b"), max_steps=5, **common))
+    assert resumed["step"] == full["step"] == 5
+    assert [r["loss"] for r in resumed["log"]] == [r["loss"] for r in full["log"]]
+    a = load_file(str(tmp_path / "a" / "head" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "head" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "a" / "curves.png").is_file() and (tmp_path / "a" / "train_log.json").is_file()
+
+
+def test_corrupt_shard_names_the_file(tiny_features, tmp_path):
+    import shutil
+
+    feats = tmp_path / "feats"
+    shutil.copytree(tiny_features / "feats", feats)
+    shard = sorted((feats / "train").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=shard.name):
+        train(TrainConfig(features=str(feats), out=str(tmp_path / "o"), model=str(tiny_features / "model"),
+                          max_steps=1))
