@@ -249,7 +249,10 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if ck is not None:
-        opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
+        try:
+            opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
+        except Exception as e:  # a damaged or foreign file must not surface as a torch traceback
+            raise CheckpointError(f"{ck / 'optimizer.pt'}: unreadable optimizer state ({e})") from None
     head_p, opt_p = acc.prepare(head, opt)
 
     lengths = [x.numel() for x in train_set.ids]
