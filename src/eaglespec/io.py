@@ -19,6 +19,7 @@ def _atomic(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary outputs
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
