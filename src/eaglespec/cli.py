@@ -35,7 +35,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--method", choices=["eagle", "vanilla"], default="eagle")
     p.add_argument("--tree", default="paper", help="paper | chain:K")
-    p.add_argument("--draft-sampling", choices=["topk", "sample"], default="topk",
+    p.add_argument("--draft-sampling", choices=["topk", "sample"], default="sample",
                    help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

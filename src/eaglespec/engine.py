@@ -89,7 +89,7 @@ class Engine:
     """EAGLE (and vanilla) generation for one target model and an optional draft head. Batch size 1."""
 
     def __init__(self, model: PreTrainedModel, head: EagleDraftHead | None = None,
-                 tree: str | list[list[int]] = "paper", draft_sampling: str = "topk"):
+                 tree: str | list[list[int]] = "paper", draft_sampling: str = "sample"):
         if draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}")
         if getattr(model.config, "final_logit_softcapping", None):
