@@ -99,6 +99,7 @@ class Engine:
         self.lm_head = model.get_output_embeddings()
         self.head = head.eval() if head is not None else None
         self.tree: TreeBuffers = build_tree(tree)
+        self.plain: TreeBuffers = build_tree("chain:0")  # root only: one token per forward
         self.draft_sampling = draft_sampling
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -166,7 +167,7 @@ class Engine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed if seed is not None else torch.seed())
         eagle = method == "eagle" and self.tree.n > 1
-        tree = self.tree if eagle else build_tree("chain:0")
+        tree = self.tree if eagle else self.plain
         cache = KVCache(min(len(input_ids) + max_new_tokens, self.max_context) + tree.n)
         t0 = self._clock()
 
@@ -208,7 +209,7 @@ class Engine:
             else:
                 node_tokens, node_q = [root], [None]
             tb = self._clock()
-            cur = tree if use_tree else build_tree("chain:0")
+            cur = tree if use_tree else self.plain
             path, bonus, feats = self._verify(node_tokens, node_q, cur, n_ctx, cache, sp, gen, stats)
             keep = [0] + path
             cache.compact(n_ctx, torch.tensor(keep, device=self.device))
