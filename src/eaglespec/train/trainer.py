@@ -280,10 +280,10 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         step += 1
         state["tokens_seen"] += info["tokens"]
         elapsed = time_before + time.perf_counter() - t_start
-        state["log"].append({"step": step, "epoch": epoch, "loss": float(loss), **info, "lr": opt.param_groups[0]["lr"],
+        state["log"].append({"step": step, "epoch": epoch, "loss": loss.item(), **info, "lr": opt.param_groups[0]["lr"],
                              "time_s": elapsed})
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{info['acc']:.3f}",
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{info['acc']:.3f}",
                         tok_s=f"{state['tokens_seen'] / max(elapsed, 1e-9):.0f}")
         end_of_epoch = step == stop or schedule[step][0] != epoch
         if end_of_epoch and acc.is_main_process:
