@@ -102,7 +102,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     from .engine import Engine
     from .head import EagleDraftHead
-    from .models import load_target
+    from .models import eos_ids, load_target
     from .verify import SamplingParams
 
     sp = SamplingParams(a.temperature, a.top_p, a.top_k)  # validates before any slow loading
@@ -125,7 +125,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    eos = [t for t in {tok.eos_token_id, *_as_list(model.generation_config.eos_token_id)} if t is not None]
+    eos = eos_ids(tok, model)
     if a.json:
         out = eng.generate(ids, a.max_new_tokens, sp, a.method, a.seed, eos)
         text = tok.decode(out.token_ids, skip_special_tokens=True)
@@ -143,10 +143,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
             shown = text
     sys.stdout.write(tok.decode(toks, skip_special_tokens=True)[len(shown):] + "\n")
     return 0
-
-
-def _as_list(x) -> list:
-    return x if isinstance(x, list) else [x]
 
 
 def cmd_extract(a: argparse.Namespace) -> int:

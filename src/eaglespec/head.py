@@ -19,7 +19,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 from .errors import CheckpointError, HeadMismatchError
-from .io import atomic_write_json, atomic_save_safetensors
+from .io import atomic_save_safetensors, atomic_write_json
+from .tree import float_mask
 
 HEAD_FORMAT = "eaglespec-draft-head"
 HEAD_FORMAT_VERSION = 1
@@ -122,8 +123,7 @@ class EagleDraftHead(nn.Module):
             t = h.shape[1]
             past = cache.get_seq_length() if cache is not None else 0
             allowed = torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past)
-            attention_mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device)
-            attention_mask = attention_mask.masked_fill(~allowed, torch.finfo(h.dtype).min)[None, None]
+            attention_mask = float_mask(allowed, h.dtype)
         cos_sin = self.rotary(h, position_ids)
         out = self.layer(
             h,

@@ -132,6 +132,13 @@ def resolve(name_or_path: str) -> str:
     return name_or_path
 
 
+def eos_ids(tok: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
+    """Every end-of-sequence id: the tokenizer's and the generation config's."""
+    g = model.generation_config.eos_token_id
+    ids = {tok.eos_token_id, *(g if isinstance(g, list) else [g])}
+    return sorted(i for i in ids if i is not None)
+
+
 def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model + tokenizer, ready for `Engine`. Greedy decoding settings of its generation_config

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from ..engine import Engine
 from ..errors import EaglespecError
 from ..io import atomic_write_json, atomic_write_text
+from ..models import eos_ids
 from ..verify import SamplingParams
 from .datasets import load_questions
 
@@ -49,8 +50,7 @@ class BenchConfig:
 class Runner:
     def __init__(self, model, tok, head, cfg: BenchConfig):
         self.model, self.tok, self.cfg = model, tok, cfg
-        self.eos = sorted({t for t in [tok.eos_token_id, *_as_list(model.generation_config.eos_token_id)]
-                           if t is not None})
+        self.eos = eos_ids(tok, model)
         self.engines = {"vanilla": Engine(model, None)}
         if head is not None:
             self.engines["eagle"] = Engine(model, head, tree=cfg.tree)
@@ -87,10 +87,6 @@ class Runner:
         dt = time.perf_counter() - t0
         toks = y[0, len(ids):].tolist()
         return {"token_ids": toks, "new_tokens": len(toks), "time_s": dt}
-
-
-def _as_list(x) -> list:
-    return x if isinstance(x, list) else [x]
 
 
 def _chat_ids(tok, history: list[dict]) -> list[int]:

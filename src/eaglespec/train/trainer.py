@@ -26,6 +26,8 @@ from ..cache import KVCache
 from ..errors import CheckpointError, EaglespecError
 from ..head import EagleDraftHead
 from ..io import atomic_torch_save, atomic_write_json, atomic_write_text
+from ..models import eos_ids
+from ..tree import float_mask
 from .extract import read_shard
 
 
@@ -177,8 +179,8 @@ def unroll_accuracy(head: EagleDraftHead, seqs: Sequences, n: int, steps: int) -
         allowed = causal
         for s in range(1, steps + 1):
             tok_pos = (anchors + s).clamp(max=T)
-            mask4 = torch.zeros(allowed.shape, device=dev).masked_fill(~allowed, torch.finfo(torch.float32).min)
-            out = head(x_f[None], ids[tok_pos][None], (anchors + s - 1)[None], mask4[None, None], cache)[0]
+            out = head(x_f[None], ids[tok_pos][None], (anchors + s - 1)[None], float_mask(allowed, torch.float32),
+                       cache)[0]
             pred = head.to_target_ids(head.logits(out).argmax(-1))
             valid = (anchors + s <= T) & msk[(anchors + s).clamp(max=T)]
             hit[s - 1] += int(((pred == target_arg[(anchors + s).clamp(max=T)]) & valid).sum())
@@ -187,13 +189,6 @@ def unroll_accuracy(head: EagleDraftHead, seqs: Sequences, n: int, steps: int) -
             allowed = torch.cat([allowed, eye], dim=1)
     head.train()
     return [h / t if t else 0.0 for h, t in zip(hit, tot)]
-
-
-def eos_ids(tok, model) -> list[int]:
-    ids = {tok.eos_token_id}
-    g = model.generation_config.eos_token_id
-    ids |= set(g) if isinstance(g, list) else {g}
-    return sorted(i for i in ids if i is not None)
 
 
 # -- the loop -----------------------------------------------------------------------------------------
