@@ -63,6 +63,7 @@ def test_generate_streams_text(tiny_dirs, gen):
     (["--prompt", "w3", "--top-k", "-2"], "top_k"),
     (["--prompt", " ".join(["w3"] * 600)], "context"),
     (["--prompt", "w3", "--tree", "bushy"], "unknown tree"),
+    (["--prompt", "w3", "--tree", "dynamic:9,9"], "DEPTH"),
 ])
 def test_bad_input(tiny_dirs, gen, extra, msg):
     rc, out, err = gen(tiny_dirs, *extra)
@@ -96,3 +97,18 @@ def test_corrupt_and_foreign_checkpoints(tiny_dirs, tmp_path, run):
     (foreign / "config.json").write_text('{"model_type": "llama"}')
     rc, _, err = run("generate", "--model", str(tiny_dirs / "model"), "--head", str(foreign), "--no-chat", "--prompt", "w3")
     assert rc == 2 and "not an eaglespec draft head" in err
+
+
+def test_profile_writes_curve_and_auto_uses_it(tiny_dirs, run, gen, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path / "cache"))
+    rc, out, err = run("profile", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"),
+                       "--context", "32", "--repeats", "1", "--out", str(tmp_path / "p"))
+    assert rc == 0, err
+    prof = json.loads((tmp_path / "p" / "cost_curve.json").read_text())
+    assert len(prof["verify_s"]) == len(prof["sizes"]) and prof["draft_level_s"] > 0
+    assert (tmp_path / "p" / "cost_curve.png").stat().st_size > 0 and "| tokens | ms |" in out
+    rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "12", "--json", "--tree", "auto")
+    assert rc == 0, err
+    assert "measuring" not in err  # the profile just written is reused
+    rc, van, _ = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "12", "--json", "--method", "vanilla")
+    assert json.loads(out)["token_ids"] == json.loads(van)["token_ids"]

@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from eaglespec.cache import KVCache
+from eaglespec.costmodel import CostProfile
 from eaglespec.engine import Engine
 from eaglespec.errors import EaglespecError
 from eaglespec.verify import SamplingParams, target_probs
@@ -23,7 +24,8 @@ def hf_greedy(model, ids, n, eos=None):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("tree", ["paper", "chain:1", "chain:4", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]])
+@pytest.mark.parametrize("tree", ["paper", "chain:1", "chain:4", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+                                  "dynamic", "dynamic:3,2,6", "dynamic:6,3,40"])
 def test_greedy_equals_vanilla_and_hf(tiny_pair, tree):
     model, head = tiny_pair
     eng = Engine(model, head, tree=tree)
@@ -35,6 +37,57 @@ def test_greedy_equals_vanilla_and_hf(tiny_pair, tree):
         assert eag.token_ids == ref
         assert eag.stats.new_tokens == 40 and eag.finish_reason == "length"
     assert max(eag.stats.accept_lengths) > 1  # drafts were really accepted
+
+
+def synthetic_costs(per_token: float, level: float) -> CostProfile:
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    return CostProfile(sizes, [1.0 + per_token * (n - 1) for n in sizes], level, 0, {})
+
+
+@pytest.mark.parametrize("per_token,level", [(0.02, 0.05), (0.6, 0.3), (5.0, 0.1)])
+def test_auto_tree_greedy_equals_hf(tiny_pair, per_token, level):
+    """`auto` sizes every round from a cost curve; cheap verification -> big trees, dear -> none."""
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="auto", costs=synthetic_costs(per_token, level))
+    for ids in PROMPTS:
+        eag = eng.generate(ids, 40, method="eagle")
+        assert eag.token_ids == hf_greedy(model, ids, 40)
+    if per_token < 0.1:
+        assert max(eag.stats.accept_lengths) > 2
+    if per_token > 1:
+        assert max(eag.stats.accept_lengths) == 1  # verifying any draft costs more than it can gain
+
+
+def test_auto_tree_measures_and_caches_costs(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="auto")
+    out = eng.generate(PROMPTS[0], 10)
+    assert out.token_ids == hf_greedy(model, PROMPTS[0], 10)
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1 and eng.costs.draft_level_s > 0 and len(eng.costs.verify_s) == len(eng.costs.sizes)
+    again = Engine(model, head, tree="auto")
+    again.generate(PROMPTS[0], 2)
+    assert again.costs == eng.costs  # read back, not measured again
+
+
+def test_target_tokens_outside_draft_vocabulary(tiny_pair):
+    """A reduced draft vocabulary that lacks the target's favourite tokens never proposes them,
+    and the output is still exactly the target's."""
+    model, head = tiny_pair
+    ids = PROMPTS[0]
+    ref = hf_greedy(model, ids, 40)
+    banned = sorted(set(ref))[: len(set(ref)) // 2]
+    d2t = torch.tensor([t for t in range(model.config.vocab_size) if t not in banned])
+    from eaglespec.head import EagleDraftHead
+
+    small = EagleDraftHead(model.config, draft_vocab=d2t).bind(model)
+    small.load_state_dict({k: v for k, v in head.state_dict().items()}, strict=False)
+    small.eval()
+    for tree in ("paper", "dynamic"):
+        eag = Engine(model, small, tree=tree).generate(ids, 40)
+        assert eag.token_ids == ref
+        assert max(eag.stats.accept_lengths) > 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -147,8 +200,10 @@ def exact_three_token_law(model, ids, sp):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-@pytest.mark.parametrize("draft_sampling", ["topk", "sample"])
-def test_sampling_law_of_first_three_tokens(draft_sampling):
+@pytest.mark.parametrize("draft_sampling,tree", [("topk", [[0], [1], [0, 0], [0, 1], [1, 0]]),
+                                                 ("sample", [[0], [1], [0, 0], [0, 1], [1, 0]]),
+                                                 ("sample", "dynamic:2,2,4")])
+def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
     V = 8
     model = tiny_target("llama", seed=11, vocab=V)
     with torch.no_grad():
@@ -157,7 +212,7 @@ def test_sampling_law_of_first_three_tokens(draft_sampling):
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
     ids = [2, 5, 3]
     law = exact_three_token_law(model, ids, sp).flatten()
-    eng = Engine(model, head, tree=[[0], [1], [0, 0], [0, 1], [1, 0]], draft_sampling=draft_sampling)
+    eng = Engine(model, head, tree=tree, draft_sampling=draft_sampling)
     n = 4000
     counts = torch.zeros(V ** 3)
     for s in range(n):

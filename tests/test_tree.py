@@ -75,3 +75,36 @@ def test_masks():
     fm = float_mask(full, torch.float32)
     assert fm.shape == (1, 1, 2, 5)
     assert fm[0, 0, 0, 4] == torch.finfo(torch.float32).min and fm[0, 0, 1, 4] == 0
+
+
+# -- dynamic trees (EAGLE-2) ----------------------------------------------------------------------
+from eaglespec.tree import DynamicTree, parse_spec, paths_of, select_nodes  # noqa: E402
+
+
+def test_parse_spec_dynamic_and_auto():
+    assert parse_spec("dynamic") == DynamicTree()
+    assert parse_spec("dynamic:3,2,8") == DynamicTree(3, 2, 8)
+    assert parse_spec("auto").auto and not parse_spec("dynamic").auto
+    assert parse_spec("paper") == parse_tree("paper")
+    for bad in ("dynamic:3,2", "dynamic:0,2,8", "dynamic:3,2,1", "dynamic:a,b,c"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+
+
+def test_select_nodes_best_and_ancestor_closed():
+    # root -> 0 (-0.1), 1 (-1.0); 0 -> 2 (-0.3), 3 (-2.5); 1 -> 4 (-1.1); 2 -> 5 (-0.35)
+    parents = [-1, -1, 0, 0, 1, 2]
+    scores = [-0.1, -1.0, -0.3, -2.5, -1.1, -0.35]
+    ranks = [0, 1, 0, 1, 0, 0]
+    assert select_nodes(scores, parents, 3) == [0, 2, 5]
+    assert select_nodes(scores, parents, 4) == [0, 1, 2, 5]
+    assert select_nodes(scores, parents, 0) == []
+    assert select_nodes(scores, parents, 99) == list(range(6))
+    # ties go to the earlier (shallower) candidate, so a child never displaces its parent
+    assert select_nodes([-0.5, -0.5, -0.5], [-1, 0, 1], 2) == [0, 1]
+    # rounding that puts a child above its parent still yields a closed set
+    assert select_nodes([-0.5, -0.4999], [-1, 0], 1) == [0, 1]
+    paths = paths_of([0, 1, 2, 5], parents, ranks)
+    assert paths == [[0], [1], [0, 0], [0, 0, 0]]
+    t = build_tree(paths)
+    assert t.n == 5 and t.max_depth == 3

@@ -1,4 +1,4 @@
-"""``eaglespec generate | extract | train`` — parses arguments and calls the library, nothing more.
+"""``eaglespec generate | extract | train | bench | profile`` — parses arguments and calls the library, nothing more.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -21,6 +21,20 @@ def default_head(model: str) -> str | None:
     return str(path) if (path / "config.json").is_file() else None
 
 
+TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
+             "auto (dynamic, sized each round by this machine's cost curve)")
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure this machine's cost curve (target forward vs tokens verified)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="also write cost_curve.json / .png here")
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with EAGLE (or vanilla) decoding")
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -34,7 +48,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--method", choices=["eagle", "vanilla"], default="eagle")
-    p.add_argument("--tree", default="paper", help="paper | chain:K")
+    p.add_argument("--tree", default="paper", help=TREE_HELP)
     p.add_argument("--draft-sampling", choices=["topk", "sample"], default="sample",
                    help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
     p.add_argument("--device", default="cpu")
@@ -78,7 +92,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", default="0", help="comma list, e.g. 0,1")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="vanilla,eagle,eagle-chain,hf,pld")
-    p.add_argument("--tree", default="paper")
+    p.add_argument("--tree", default="paper", help=TREE_HELP)
     p.add_argument("--chain", default="chain:5")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -94,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_extract(sub)
     _add_train(sub)
     _add_bench(sub)
+    _add_profile(sub)
     return ap
 
 
@@ -167,6 +182,34 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(a: argparse.Namespace) -> int:
+    from . import costmodel
+    from .engine import Engine
+    from .head import EagleDraftHead
+    from .models import load_target
+
+    if a.context < 1 or a.repeats < 1:
+        raise EaglespecError("--context and --repeats must be >= 1")
+    model, _ = load_target(a.model, device=a.device)
+    head_path = a.head or default_head(a.model)
+    head = EagleDraftHead.from_pretrained(head_path, model) if head_path else None
+    eng = Engine(model, head, tree="auto")
+    prof = costmodel.measure(eng, context=a.context, repeats=a.repeats)
+    cached = costmodel.profile_path(eng)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(cached)  # `--tree auto` reads it from here
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        prof.save(out / "cost_curve.json")
+        costmodel.plot(prof, out / "cost_curve.png")
+    print("| tokens | ms | x one token |\n|---|---|---|")
+    for n, t in zip(prof.sizes, prof.verify_s):
+        print(f"| {n} | {1000 * t:.1f} | {t / prof.verify_s[0]:.2f} |")
+    print(f"draft level: {1000 * prof.draft_level_s:.1f} ms; cached in {cached}")
+    return 0
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from .bench.harness import METHODS, BenchConfig, run_bench
 
@@ -205,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return {"generate": cmd_generate, "extract": cmd_extract, "train": cmd_train,
-                "bench": cmd_bench}[args.command](args)
+                "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
     except (EaglespecError, ValueError) as e:
         print(f"eaglespec: error: {e}", file=sys.stderr)
         return 2

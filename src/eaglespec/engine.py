@@ -6,6 +6,7 @@ same cache, the same sampling code. That is the baseline every speedup is measur
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -16,7 +17,8 @@ from transformers import PreTrainedModel
 from .cache import KVCache
 from .errors import EaglespecError
 from .head import EagleDraftHead
-from .tree import TreeBuffers, build_tree, float_mask, prefix_tree_mask
+from .costmodel import CostProfile, load_or_measure
+from .tree import DynamicTree, TreeBuffers, build_tree, float_mask, parse_spec, paths_of, prefix_tree_mask, select_nodes
 from .verify import SamplingParams, greedy_accept, sample_accept, target_probs
 
 DRAFT_SAMPLING = ("topk", "sample")
@@ -89,7 +91,8 @@ class Engine:
     """EAGLE (and vanilla) generation for one target model and an optional draft head. Batch size 1."""
 
     def __init__(self, model: PreTrainedModel, head: EagleDraftHead | None = None,
-                 tree: str | list[list[int]] = "paper", draft_sampling: str = "sample"):
+                 tree: str | list[list[int]] | DynamicTree = "paper", draft_sampling: str = "sample",
+                 costs: CostProfile | None = None):
         if draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}")
         if getattr(model.config, "final_logit_softcapping", None):
@@ -98,8 +101,13 @@ class Engine:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.head = head.eval() if head is not None else None
-        self.tree: TreeBuffers = build_tree(tree)
+        spec = parse_spec(tree)
+        # a static tree is built once; a dynamic one is regrown by the head every round
+        self.dynamic: DynamicTree | None = spec if isinstance(spec, DynamicTree) else None
+        self.tree: TreeBuffers | None = None if self.dynamic else build_tree(spec)
         self.plain: TreeBuffers = build_tree("chain:0")  # root only: one token per forward
+        self.costs = costs  # the machine's cost curve, for `auto` (measured on first use if None)
+        self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
         self.draft_sampling = draft_sampling
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -166,9 +174,12 @@ class Engine:
         if not sp.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed if seed is not None else torch.seed())
-        eagle = method == "eagle" and self.tree.n > 1
-        tree = self.tree if eagle else self.plain
-        cache = KVCache(min(len(input_ids) + max_new_tokens, self.max_context) + tree.n)
+        eagle = method == "eagle" and (self.dynamic is not None or self.tree.n > 1)
+        if eagle and self.dynamic is not None and self.dynamic.auto and self.costs is None:
+            self.costs = load_or_measure(self)
+        depth = self.dynamic.depth if self.dynamic else self.tree.max_depth
+        max_nodes = (self.dynamic.total_tokens or self.dynamic.max_nodes) if self.dynamic else self.tree.n
+        cache = KVCache(min(len(input_ids) + max_new_tokens, self.max_context) + max_nodes)
         t0 = self._clock()
 
         # Prefill: the whole prompt, features f_1..f_N, then the first new token (the first root).
@@ -202,14 +213,13 @@ class Engine:
                 reason = "context"
                 break
             # near the context limit the deepest tree node would overflow the positions: go plain
-            use_tree = eagle and n_ctx + tree.max_depth < self.max_context
+            use_tree = eagle and n_ctx + depth < self.max_context
             ta = self._clock()
             if use_tree:
-                node_tokens, node_q = self._draft(pending, head_cache, sp, gen, stats)
+                node_tokens, node_q, cur = self._draft(pending, head_cache, sp, gen, ta)
             else:
-                node_tokens, node_q = [root], [None]
+                node_tokens, node_q, cur = [root], [None], self.plain
             tb = self._clock()
-            cur = tree if use_tree else self.plain
             path, bonus, feats = self._verify(node_tokens, node_q, cur, n_ctx, cache, sp, gen, stats)
             keep = [0] + path
             cache.compact(n_ctx, torch.tensor(keep, device=self.device))
@@ -221,6 +231,8 @@ class Engine:
             root = bonus
             stats.rounds += 1
             stats.accept_lengths.append(len(accepted))
+            if use_tree and self.dynamic is not None:
+                self._calibrate(len(path))
             stats.draft_time_s += tb - ta
             stats.verify_time_s += self._clock() - tb
             new, reason = emit(accepted)
@@ -232,28 +244,44 @@ class Engine:
 
     # -- drafting ---------------------------------------------------------------------------------
     def _draft(self, pending: tuple[torch.Tensor, list[int]], head_cache: KVCache, sp: SamplingParams,
-               gen: torch.Generator | None, stats: GenerationStats) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Feed the newly committed (feature, next token) pairs to the head, then grow the tree level
-        by level: one head forward per depth over all nodes of that depth (tree attention)."""
-        head, tree = self.head, self.tree
+               gen: torch.Generator | None, t_round: float) -> tuple[list[int], list[torch.Tensor | None], TreeBuffers]:
+        """Feed the newly committed (feature, next token) pairs to the head, then grow this round's tree.
+        Returns the node tokens, the law each was drawn from (None = chosen deterministically), the tree."""
         feats, toks = pending
         committed = head_cache.get_seq_length()
         pos = torch.arange(committed, committed + len(toks), device=self.device)
-        out = head(feats[None].to(self.dtype), torch.tensor([toks], device=self.device), pos[None], cache=head_cache)
+        out = self.head(feats[None].to(self.dtype), torch.tensor([toks], device=self.device), pos[None],
+                        cache=head_cache)
         committed += len(toks)
-        node_feat: dict[int, torch.Tensor] = {0: out[0, -1:]}
-        node_tokens: list[int] = [pending[1][-1]] + [0] * (tree.n - 1)
+        if self.dynamic is not None:
+            result = self._grow_dynamic(out[0, -1:], toks[-1], committed, head_cache, sp, t_round)
+        else:
+            result = self._grow_static(out[0, -1:], toks[-1], committed, head_cache, sp, gen)
+        head_cache.crop(committed)
+        return result
+
+    def _head_level(self, parent_f: torch.Tensor, tokens: list[int], committed: int, depth: int,
+                    allowed: torch.Tensor, head_cache: KVCache) -> torch.Tensor:
+        """One head forward over all nodes of one depth (tree attention over earlier levels' entries)."""
+        toks = torch.tensor([tokens], device=self.device)
+        pos = torch.full((1, len(tokens)), committed + depth - 1, device=self.device)
+        mask = float_mask(prefix_tree_mask(allowed.to(self.device), committed), self.dtype)
+        return self.head(parent_f[None], toks, pos, mask, head_cache)[0]
+
+    def _grow_static(self, root_f: torch.Tensor, root: int, committed: int, head_cache: KVCache, sp: SamplingParams,
+                     gen: torch.Generator | None) -> tuple[list[int], list[torch.Tensor | None], TreeBuffers]:
+        head, tree = self.head, self.tree
+        node_feat: dict[int, torch.Tensor] = {0: root_f}
+        node_tokens: list[int] = [root] + [0] * (tree.n - 1)
         node_q: list[torch.Tensor | None] = [None] * tree.n
         for d in range(tree.max_depth):
             nodes = tree.expand_nodes[d]
             if d == 0:
-                f = node_feat[0]
+                f = root_f
             else:
                 parents_f = torch.cat([node_feat[tree.parent[i]] for i in nodes])
-                toks_d = torch.tensor([[node_tokens[i] for i in nodes]], device=self.device)
-                pos = torch.full((1, len(nodes)), committed + d - 1, device=self.device)
-                allowed = prefix_tree_mask(tree.draft_masks[d].to(self.device), committed)
-                f = head(parents_f[None], toks_d, pos, float_mask(allowed, self.dtype), head_cache)[0]
+                f = self._head_level(parents_f, [node_tokens[i] for i in nodes], committed, d, tree.draft_masks[d],
+                                     head_cache)
                 for j, i in enumerate(nodes):
                     node_feat[i] = f[j : j + 1]
             logits = head.logits(f).float()  # (len(nodes), draft vocab)
@@ -272,8 +300,82 @@ class Engine:
                     node_tokens[c] = picks[j][r]
                     if qs is not None:
                         node_q[c] = sibling_q(qs[j], picks[j][:r], picks[j][r])
-        head_cache.crop(committed)
-        return node_tokens, node_q
+        return node_tokens, node_q, tree
+
+    def _grow_dynamic(self, root_f: torch.Tensor, root: int, committed: int, head_cache: KVCache,
+                      sp: SamplingParams, t_round: float) -> tuple[list[int], list[torch.Tensor | None], TreeBuffers]:
+        """EAGLE-2: candidates are each expanded node's top-k children, scored by cumulative draft
+        log-probability; the best `top_k` of a depth are expanded next, the best overall verified.
+        Candidates are deterministic given the head, so they carry a one-hot law (q = None)."""
+        head, dyn = self.head, self.dynamic
+        k, temp = dyn.top_k, (1.0 if sp.greedy else sp.temperature)
+        toks: list[int] = []
+        parents: list[int] = []  # -1 = the root
+        ranks: list[int] = []
+        scores: list[float] = []
+        feat: dict[int, torch.Tensor] = {-1: root_f}
+        slots: list[int] = []  # candidates with a head-cache entry, in cache order
+        frontier, f, level_start = [-1], root_f, 0
+        for d in range(dyn.depth):
+            if d > 0:
+                level = range(level_start, len(toks))
+                frontier = sorted(level, key=lambda i: (-scores[i], i))[:k]
+                if dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
+                    break
+                slots += frontier
+                allowed = torch.zeros(len(frontier), len(slots), dtype=torch.bool)
+                col = {c: j for j, c in enumerate(slots)}
+                for r, i in enumerate(frontier):
+                    j = i
+                    while j >= 0:
+                        allowed[r, col[j]] = True
+                        j = parents[j]
+                f = self._head_level(torch.cat([feat[parents[i]] for i in frontier]), [toks[i] for i in frontier],
+                                     committed, d, allowed, head_cache)
+                for r, i in enumerate(frontier):
+                    feat[i] = f[r : r + 1]
+            top = torch.topk(torch.log_softmax(head.logits(f).float() / temp, -1), k, dim=-1)
+            vals, ids = top.values.tolist(), head.to_target_ids(top.indices).tolist()
+            level_start = len(toks)
+            for r, pi in enumerate(frontier):
+                base = 0.0 if pi < 0 else scores[pi]
+                for c in range(k):
+                    toks.append(ids[r][c])
+                    parents.append(pi)
+                    ranks.append(c)
+                    scores.append(base + vals[r][c])
+        if dyn.auto:
+            gains = sorted((math.exp(x) * self._calib_ratio() for x in scores), reverse=True)
+            budget, _ = self.costs.best_size(gains, self._clock() - t_round)
+        else:
+            budget = dyn.total_tokens - 1
+        chosen = select_nodes(scores, parents, budget)
+        tree = build_tree(paths_of(chosen, parents, ranks)) if chosen else self.plain
+        # build_tree orders nodes by (depth, path); map each back to its candidate
+        by_path = {tuple(p): i for p, i in zip(paths_of(chosen, parents, ranks), chosen)}
+        node_tokens = [root] + [toks[by_path[p]] for p in tree.paths[1:]]
+        self._predicted = sum(math.exp(scores[i]) for i in chosen)
+        return node_tokens, [None] * tree.n, tree
+
+    def _calib_ratio(self) -> float:
+        accepted, predicted = self._calib
+        return min(2.0, max(0.2, accepted / predicted))
+
+    def _calibrate(self, accepted: int) -> None:
+        """Track how the head's cumulative confidence relates to what the target really accepts."""
+        decay = 0.98
+        self._calib = [decay * self._calib[0] + accepted, decay * self._calib[1] + self._predicted]
+
+    def _worth_a_level(self, scores: list[float], parents: list[int], frontier: list[int], t_round: float) -> bool:
+        """Would one more draft level raise this round's expected tokens per second? Each frontier
+        node is assumed to get a best child as likely as the node was given its own parent."""
+        c = self._calib_ratio()
+        gains = sorted((math.exp(x) * c for x in scores), reverse=True)
+        spent = self._clock() - t_round
+        _, now = self.costs.best_size(gains, spent)
+        guess = [math.exp(2 * scores[i] - (scores[parents[i]] if parents[i] >= 0 else 0.0)) * c for i in frontier]
+        _, then = self.costs.best_size(sorted(gains + guess, reverse=True), spent + self.costs.draft_level_s)
+        return then > now
 
     # -- verification -----------------------------------------------------------------------------
     def _verify(self, node_tokens: list[int], node_q: list[torch.Tensor | None], tree: TreeBuffers, n_ctx: int,

@@ -27,6 +27,81 @@ def chain(k: int) -> list[list[int]]:
     return [[0] * d for d in range(1, k + 1)]
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's context-dependent tree, regrown every round from the head's confidence.
+
+    Grow ``depth`` levels; at each level expand the ``top_k`` candidates with the highest
+    cumulative draft log-probability, each into its ``top_k`` best children. Then verify the root
+    plus the ``total_tokens - 1`` best candidates. ``total_tokens=0`` (``auto``) lets the cost model
+    of this machine pick the size per round, and stop drafting early when a level cannot pay.
+    """
+
+    depth: int = 5
+    top_k: int = 4
+    total_tokens: int = 16
+
+    @property
+    def auto(self) -> bool:
+        return self.total_tokens == 0
+
+    @property
+    def max_nodes(self) -> int:
+        return 1 + self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+
+AUTO_TREE = DynamicTree(depth=6, top_k=4, total_tokens=0)
+
+
+def parse_spec(spec: "str | list[list[int]] | DynamicTree") -> "list[list[int]] | DynamicTree":
+    """``paper`` | ``chain:K`` | ``dynamic[:D,K,N]`` | ``auto`` | an explicit list of paths."""
+    if isinstance(spec, DynamicTree):
+        return spec
+    if isinstance(spec, str) and spec == "auto":
+        return AUTO_TREE
+    if isinstance(spec, str) and (spec == "dynamic" or spec.startswith("dynamic:")):
+        if spec == "dynamic":
+            return DynamicTree()
+        try:
+            d, k, n = (int(x) for x in spec.split(":", 1)[1].split(","))
+        except ValueError:
+            raise ValueError(f"bad tree spec {spec!r}: use dynamic:DEPTH,TOP_K,TOTAL_TOKENS") from None
+        if not (1 <= d <= 16 and 1 <= k <= 16 and (n == 0 or 2 <= n <= 128)):
+            raise ValueError(f"bad tree spec {spec!r}: need 1<=DEPTH<=16, 1<=TOP_K<=16, TOTAL 0 (auto) or 2..128")
+        return DynamicTree(d, k, n)
+    return parse_tree(spec)
+
+
+def select_nodes(scores: list[float], parents: list[int], budget: int) -> list[int]:
+    """Indices of the `budget` best candidates by cumulative log-probability, ancestor-closed.
+
+    Candidates are listed parent-first (`parents[i] < i`, -1 = the root). A child never scores
+    above its parent, and ties go to the earlier index, so the best set is already closed under
+    ancestors; the walk up only guards against rounding. Returned in ascending index order.
+    """
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:max(0, budget)]
+    chosen = set(order)
+    for i in order:
+        j = parents[i]
+        while j >= 0 and j not in chosen:
+            chosen.add(j)
+            j = parents[j]
+    return sorted(chosen)
+
+
+def paths_of(selected: list[int], parents: list[int], ranks: list[int]) -> list[list[int]]:
+    """Rank paths (the input of `build_tree`) of the selected candidates."""
+    paths = []
+    for i in selected:
+        p = []
+        j = i
+        while j >= 0:
+            p.append(ranks[j])
+            j = parents[j]
+        paths.append(p[::-1])
+    return paths
+
+
 def parse_tree(spec: str | list[list[int]]) -> list[list[int]]:
     """``paper`` | ``chain:K`` | an explicit list of paths."""
     if not isinstance(spec, str):
@@ -41,7 +116,7 @@ def parse_tree(spec: str | list[list[int]]) -> list[list[int]]:
         if not 0 <= k <= 64:
             raise ValueError(f"bad tree spec {spec!r}: K must be in [0, 64]")
         return chain(k)
-    raise ValueError(f"unknown tree {spec!r}: use 'paper' or 'chain:K'")
+    raise ValueError(f"unknown tree {spec!r}: use paper, chain:K, dynamic[:D,K,N] or auto")
 
 
 @dataclass

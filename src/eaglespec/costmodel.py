@@ -1,0 +1,180 @@
+"""What one EAGLE round costs on this machine, and the tree size that maximises tokens per second.
+
+The paper's trees assume a GPU, where verifying 26 tokens costs about as much as one. On a CPU
+the target's forward time grows with the number of tokens verified, so the best tree depends on
+the machine. We measure the target's forward time for 1..64 tokens and the time of one draft
+level once per (model, dtype, device, threads, torch version), cache it as JSON, and let
+``--tree auto`` pick each round's size: EAGLE-2 observed that the head's cumulative confidence
+in a node approximates the chance it is accepted, so the expected tokens of a tree are
+``1 + sum(node confidences)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .io import atomic_write_json
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+@dataclass
+class CostProfile:
+    sizes: list[int]  # tokens per target forward
+    verify_s: list[float]  # median seconds of target forward + LM head for that many tokens
+    draft_level_s: float  # median seconds of one draft level (head forward + draft LM head + top-k)
+    context: int  # cached tokens the measurement ran against
+    machine: dict
+
+    def verify(self, n: int) -> float:
+        """Piecewise-linear in n; extrapolated from the last two points beyond the largest size."""
+        xs, ys = self.sizes, self.verify_s
+        if n <= xs[0]:
+            return ys[0]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if n <= x1:
+                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = (xs[-2], ys[-2]), (xs[-1], ys[-1])
+        return y1 + (y1 - y0) * (n - x1) / (x1 - x0)
+
+    def best_size(self, gains: list[float], fixed_s: float) -> tuple[int, float]:
+        """gains: expected extra accepted tokens of each candidate node, best first. Returns (m, rate):
+        verifying the root plus the first m candidates maximises (1 + sum gains[:m]) / (fixed_s + verify(m + 1))."""
+        best_m, best_rate, expected = 0, 1.0 / (fixed_s + self.verify(1)), 1.0
+        for m, g in enumerate(gains, start=1):
+            expected += g
+            rate = expected / (fixed_s + self.verify(m + 1))
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        return best_m, best_rate
+
+    def save(self, path: Path) -> None:
+        atomic_write_json(asdict(self), path)
+
+    @classmethod
+    def load(cls, path: Path) -> "CostProfile":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def machine_info(engine: "Engine") -> dict:
+    cfg = engine.model.config
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    dev = str(engine.device)
+    if engine.device.type == "cuda":
+        cpu = torch.cuda.get_device_name(engine.device)
+    return {"model": getattr(cfg, "_name_or_path", "") or cfg.model_type, "hidden": cfg.hidden_size,
+            "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size, "dtype": str(engine.dtype), "device": dev,
+            "processor": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "head_vocab": engine.head.draft_vocab_size if engine.head is not None else 0}
+
+
+def profile_path(engine: "Engine") -> Path:
+    from .models import cache_root
+
+    key = hashlib.sha256(json.dumps(machine_info(engine), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "costs" / f"{key}.json"
+
+
+@torch.inference_mode()
+def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 256, repeats: int = 5,
+            top_k: int = 4) -> CostProfile:
+    """Time the target on `sizes` tokens after a `context`-token prefix, sizes interleaved per repeat."""
+    from .cache import KVCache
+    from .tree import float_mask
+
+    context = min(context, engine.max_context - max(sizes) - 1)
+    vocab = engine.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+    cache = KVCache(context + max(sizes))
+    engine._target(prompt, 0, cache)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):  # the first pass warms up
+        for n in sizes:
+            toks = torch.randint(0, vocab, (n,), generator=g).tolist()
+            allowed = torch.ones(n, context + n, dtype=torch.bool, device=engine.device).tril(context)
+            t0 = engine._clock()
+            feats = engine._target(toks, context, cache, float_mask(allowed, engine.dtype))
+            engine.lm_head(feats).argmax(-1).tolist()
+            times[n].append(engine._clock() - t0)
+            cache.crop(context)
+    verify = [statistics.median(times[n][1:]) for n in sizes]
+
+    draft = 0.0
+    if engine.head is not None:
+        head, h = engine.head, engine.model.config.hidden_size
+        hcache = KVCache(context + 2 * top_k)
+        f = torch.randn(1, context, h, generator=g).to(engine.device, engine.dtype)
+        pos = torch.arange(context, device=engine.device)[None]
+        head(f, torch.tensor([prompt], device=engine.device), pos, cache=hcache)
+        dt = []
+        for _ in range(repeats + 1):
+            allowed = torch.ones(top_k, context + top_k, dtype=torch.bool, device=engine.device)
+            t0 = engine._clock()
+            out = head(f[:, :top_k], torch.tensor([prompt[:top_k]], device=engine.device),
+                       torch.full((1, top_k), context, device=engine.device), float_mask(allowed, engine.dtype), hcache)
+            torch.topk(torch.log_softmax(head.logits(out[0]).float(), -1), top_k, dim=-1).indices.tolist()
+            dt.append(engine._clock() - t0)
+            hcache.crop(context)
+        draft = statistics.median(dt[1:])
+    return CostProfile(list(sizes), verify, draft, context, machine_info(engine))
+
+
+def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = True) -> CostProfile:
+    path = Path(path) if path is not None else profile_path(engine)
+    if path.is_file():
+        try:
+            return CostProfile.load(path)
+        except (ValueError, TypeError, KeyError):
+            pass  # a stale or damaged profile is simply measured again
+    if verbose:
+        import sys
+
+        print(f"eaglespec: measuring this machine's cost curve once (cached in {path}) ...", file=sys.stderr)
+    t0 = time.perf_counter()
+    prof = measure(engine)
+    prof.machine["measure_time_s"] = time.perf_counter() - t0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(path)
+    return prof
+
+
+def plot(profile: CostProfile, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ms = [1000 * t for t in profile.verify_s]
+    ax.plot(profile.sizes, ms, marker="o", label="target forward + LM head")
+    ax.axhline(1000 * profile.draft_level_s, color="tab:orange", ls="--", label="one draft level (head)")
+    ax.set_xlabel("tokens verified in one forward")
+    ax.set_ylabel("ms")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"cost curve: {profile.machine.get('model', '')}\n{profile.machine.get('processor', '')}, "
+                 f"{profile.machine.get('threads')} threads, context {profile.context}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
