@@ -19,7 +19,7 @@ def test_bench_end_to_end(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["bench", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"),
                "--dataset", ",".join(datasets), "--limit", "2", "--temperature", "0,1", "--max-new-tokens", "12",
-               "--methods", "vanilla,eagle,eagle-chain,hf,pld", "--out", str(out)])
+               "--methods", "vanilla,eagle,eagle-chain,hf,pld,llamacpp", "--batch-size", "1,2", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     res = json.loads((out / "results.json").read_text())
     assert (out / "report.md").is_file() and (out / "speedup.png").stat().st_size > 1000
@@ -37,6 +37,14 @@ def test_bench_end_to_end(tiny_dirs, tmp_path, capsys):
     assert (str(qfile), 1.0, "pld") not in rows and "pld@T=1.0" in res["skipped"]
     report = (out / "report.md").read_text()
     assert "| eagle |" in report and "not run" in report
+    # llama.cpp needs the registry model's GGUF (or the package): said, not silently dropped
+    assert "llamacpp" in res["skipped"] and "`llamacpp` not run" in report
+    # the batch table: vanilla vs eagle with two prompts decoded together, same tokens at T=0
+    batch = {(r["dataset"], r["temperature"]): r for r in res["batch_summary"]}
+    b0 = batch[(str(qfile), 0.0)]
+    assert b0["batch_size"] == 2 and b0["batches"] == 1 and b0["greedy_equal"] is True and b0["tau"] > 1
+    assert b0["speedup"] > 0 and batch[(str(qfile), 1.0)]["greedy_equal"] is None
+    assert "## batch sizes" in report
 
 
 def test_bench_rejects_bad_method(tiny_dirs, tmp_path, capsys):

@@ -112,3 +112,14 @@ def test_profile_writes_curve_and_auto_uses_it(tiny_dirs, run, gen, tmp_path, mo
     assert "measuring" not in err  # the profile just written is reused
     rc, van, _ = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "12", "--json", "--method", "vanilla")
     assert json.loads(out)["token_ids"] == json.loads(van)["token_ids"]
+
+
+def test_generate_int8_target(tiny_dirs, gen):
+    """--quantize int8: eagle and vanilla run the same quantized target, so their tokens agree."""
+    outs = []
+    for method in ("eagle", "vanilla"):
+        rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "16", "--json", "--method", method,
+                           "--quantize", "int8")
+        assert rc == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) == 16

@@ -227,3 +227,65 @@ def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
     f_obs = torch.cat([obs[big], obs[~big].sum()[None]]).numpy()
     f_exp = torch.cat([exp[big], exp[~big].sum()[None]]).numpy()
     assert chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+# -- batches: each row decoded with its own accepted lengths equals its own greedy decoding ------
+@pytest.mark.parametrize("tree", ["paper", "chain:3"])
+def test_batch_greedy_equals_hf_per_row(tiny_pair, tree):
+    model, head = tiny_pair
+    eng = Engine(model, head, tree=tree)
+    prompts = PROMPTS + [[40, 41]]
+    refs = [hf_greedy(model, ids, 30) for ids in prompts]
+    for method in ("eagle", "vanilla"):
+        outs = eng.generate_batch(prompts, 30, method=method)
+        assert [o.token_ids for o in outs] == refs
+        assert all(o.finish_reason == "length" and o.stats.new_tokens == 30 for o in outs)
+    lengths = [o.stats.accept_lengths for o in eng.generate_batch(prompts, 30)]
+    assert len({tuple(x) for x in lengths}) > 1  # rows really advanced by different amounts
+
+
+def test_batch_rows_finish_at_different_times(tiny_pair):
+    """A row that hits EOS leaves the batch; the others go on unchanged."""
+    model, head = tiny_pair
+    eng = Engine(model, head)
+    prompts = PROMPTS
+    full = [hf_greedy(model, ids, 40) for ids in prompts]
+    eos = full[0][7]  # the 8th token of row 0 becomes EOS
+    refs = [hf_greedy(model, ids, 40, eos=eos) for ids in prompts]
+    outs = eng.generate_batch(prompts, 40, method="eagle", eos_token_ids=[eos])
+    for o, ref in zip(outs, refs):
+        assert o.token_ids == ref
+        assert o.finish_reason == ("eos" if ref[-1] == eos else "length")
+    assert outs[0].finish_reason == "eos" and len(outs[0].token_ids) <= 8
+
+
+def test_batch_rejects_dynamic_trees(tiny_pair):
+    model, head = tiny_pair
+    with pytest.raises(EaglespecError, match="dynamic"):
+        Engine(model, head, tree="dynamic").generate_batch([[3], [4]], 5)
+    assert len(Engine(model, head, tree="dynamic").generate_batch([[3]], 5)[0].token_ids) == 5
+
+
+def test_batch_sampling_law_of_first_three_tokens():
+    """Row 0's law in a ragged batch of two (the other row longer, advancing differently)."""
+    V = 8
+    model = tiny_target("llama", seed=11, vocab=V)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.3)
+    head = good_head(model)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
+    ids = [2, 5, 3]
+    law = exact_three_token_law(model, ids, sp).flatten()
+    eng = Engine(model, head, tree=[[0], [1], [0, 0], [0, 1], [1, 0]])
+    n = 3000
+    counts = torch.zeros(V ** 3)
+    for s in range(n):
+        t = eng.generate_batch([ids, [4, 4, 6, 1, 7, 2]], 3, sampling=sp, seed=s)[0].token_ids
+        counts[t[0] * V * V + t[1] * V + t[2]] += 1
+    keep = law > 0
+    assert counts[~keep].sum() == 0
+    exp, obs = law[keep] * n, counts[keep]
+    big = exp >= 5
+    f_obs = torch.cat([obs[big], obs[~big].sum()[None]]).numpy()
+    f_exp = torch.cat([exp[big], exp[~big].sum()[None]]).numpy()
+    assert chisquare(f_obs, f_exp).pvalue > 1e-3

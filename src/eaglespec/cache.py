@@ -73,6 +73,22 @@ class PreallocLayer(CacheLayerMixin):
             self.v_buf[:, :, start:start + n] = self.v_buf.index_select(2, src)
         self._set_length(start + n)
 
+    def compact_rows(self, dst: list[int], src: int, keeps: list[torch.Tensor]) -> None:
+        """Batched rows of different lengths: row b's entries src+keeps[b][i] -> dst[b]+i. The
+        cache length becomes the longest row; shorter rows leave stale entries the caller masks."""
+        if self.is_initialized:
+            for b, (d, keep) in enumerate(zip(dst, keeps)):
+                if keep.numel():
+                    idx = keep + src
+                    self.k_buf[b, :, d:d + keep.numel()] = self.k_buf[b].index_select(1, idx)
+                    self.v_buf[b, :, d:d + keep.numel()] = self.v_buf[b].index_select(1, idx)
+        self._set_length(max(d + k.numel() for d, k in zip(dst, keeps)))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.k_buf, self.v_buf = self.k_buf.index_select(0, rows), self.v_buf.index_select(0, rows)
+            self._set_length(self.length)
+
     def reset(self) -> None:
         self._set_length(0)
 
@@ -91,3 +107,12 @@ class KVCache(Cache):
     def crop(self, max_length: int) -> None:
         for layer in self.layers:
             layer.crop(max_length)
+
+    def compact_rows(self, dst: list[int], src: int, keeps: list[torch.Tensor]) -> None:
+        for layer in self.layers:
+            layer.compact_rows(dst, src, keeps)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished sequences leave the batch)."""
+        for layer in self.layers:
+            layer.select_rows(rows)

@@ -21,6 +21,7 @@ def default_head(model: str) -> str | None:
     return str(path) if (path / "config.json").is_file() else None
 
 
+QUANT_HELP = "int8: weight-only int8 target (every method, vanilla included, runs the same quantized model)"
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve)")
 
@@ -32,6 +33,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
     p.add_argument("--out", default=None, help="also write cost_curve.json / .png here")
 
 
@@ -52,6 +54,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-sampling", choices=["topk", "sample"], default="sample",
                    help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -94,10 +97,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default="vanilla,eagle,eagle-chain,hf,pld")
     p.add_argument("--tree", default="paper", help=TREE_HELP)
     p.add_argument("--chain", default="chain:5")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", default="1", help="comma list, e.g. 1,2,4: sizes > 1 add a batch throughput table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--first-turn-only", action="store_true", help="only the first turn of multi-turn questions")
     p.add_argument("--quick", action="store_true", help="10 MT-bench questions, 128 tokens, T=0")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
     p.add_argument("--out", required=True)
 
 
@@ -127,7 +131,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise EaglespecError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise EaglespecError("--device cuda asked for, but CUDA is not available")
-    model, tok = load_target(a.model, device=a.device)
+    model, tok = load_target(a.model, device=a.device, quantize=a.quantize)
     head = None
     if a.method == "eagle":
         head_path = a.head or default_head(a.model)
@@ -190,7 +194,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     if a.context < 1 or a.repeats < 1:
         raise EaglespecError("--context and --repeats must be >= 1")
-    model, _ = load_target(a.model, device=a.device)
+    model, _ = load_target(a.model, device=a.device, quantize=a.quantize)
     head_path = a.head or default_head(a.model)
     head = EagleDraftHead.from_pretrained(head_path, model) if head_path else None
     eng = Engine(model, head, tree="auto")
@@ -213,8 +217,12 @@ def cmd_profile(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from .bench.harness import METHODS, BenchConfig, run_bench
 
-    if a.batch_size != 1:
-        raise EaglespecError("--batch-size > 1 is not supported yet: the engine decodes one sequence at a time")
+    try:
+        batch_sizes = tuple(int(b) for b in str(a.batch_size).split(","))
+    except ValueError:
+        raise EaglespecError(f"--batch-size must be a comma list of integers, got {a.batch_size!r}") from None
+    if any(b < 1 or b > 64 for b in batch_sizes):
+        raise EaglespecError("--batch-size values must be in 1..64")
     if a.quick:
         a.dataset, a.limit, a.max_new_tokens, a.temperature = "mt_bench", 10, 128, "0"
     methods = tuple(m.strip() for m in a.methods.split(",") if m.strip())
@@ -232,13 +240,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise EaglespecError("--max-new-tokens must be >= 1")
     cfg = BenchConfig(model=a.model, head=head, datasets=tuple(a.dataset.split(",")), limit=a.limit,
                       temperatures=temps, max_new_tokens=a.max_new_tokens, methods=methods, tree=a.tree,
-                      chain=a.chain, seed=a.seed, out=a.out, first_turn_only=a.first_turn_only)
+                      chain=a.chain, seed=a.seed, out=a.out, first_turn_only=a.first_turn_only,
+                      batch_sizes=batch_sizes, quantize=a.quantize)
     result = run_bench(cfg)
     print(open(Path(a.out) / "report.md").read())
-    bad_eq = [r for r in result["summary"] if r["greedy_equal"] is False]
+    bad_eq = [r for r in result["summary"] + result["batch_summary"] if r["greedy_equal"] is False]
     if bad_eq:
         print("eaglespec: error: greedy output differs from vanilla for "
-              + ", ".join(f"{r['method']} on {r['dataset']}" for r in bad_eq), file=sys.stderr)
+              + ", ".join(f"{r.get('method', 'eagle at batch size %s' % r.get('batch_size'))} on {r['dataset']}"
+                            for r in bad_eq), file=sys.stderr)
         return 1
     return 0
 

@@ -66,6 +66,20 @@ class GenerationOutput:
     stats: GenerationStats
 
 
+@dataclass
+class _Row:
+    """One sequence of a (possibly batched) decode."""
+
+    index: int  # position in the caller's list of prompts
+    n_ctx: int  # this row's entries in the target cache (the root is not in it yet)
+    root: int  # the last emitted token: the root of the next tree
+    stats: GenerationStats
+    pending: tuple[torch.Tensor, list[int]] | None = None  # head inputs not yet in the head's cache
+    head_len: int = 0  # this row's committed entries in the head's cache
+    emitted: int = 0
+    reason: str | None = None
+
+
 def sample_without_replacement(q: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
     """k draws per row of q (R, V) without replacement, in draw order (Gumbel top-k). When a row has
     fewer than k non-zero entries, the extra picks are zero-probability tokens chosen
@@ -120,15 +134,19 @@ class Engine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Target forward on new tokens x (B, q) -> final-norm hidden states (features), (B, q, H)."""
+        out = self.decoder(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                           use_cache=True)
+        return out.last_hidden_state
+
     def _target(self, ids: list[int], start: int, cache: KVCache, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the target on new tokens; returns the final-norm hidden states (features), (q, H)."""
-        x = torch.tensor([ids], device=self.device)
+        """One sequence: features (q, H) of `ids`, placed at `start` (or at explicit positions)."""
         if positions is None:
             positions = torch.arange(start, start + len(ids), device=self.device)
-        out = self.decoder(input_ids=x, position_ids=positions[None], attention_mask=mask,
-                           past_key_values=cache, use_cache=True)
-        return out.last_hidden_state[0]
+        return self._forward(torch.tensor([ids], device=self.device), positions[None], cache, mask)[0]
 
     def _choose(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
         if sp.greedy:
@@ -166,125 +184,198 @@ class Engine:
                method: str = "eagle", seed: int | None = None, eos_token_ids: list[int] | None = None,
                stats: GenerationStats | None = None) -> Iterator[tuple[list[int], str]]:
         """Yields (new token ids, finish reason so far) once per target forward."""
-        sp = sampling or SamplingParams()
-        self.check_request(input_ids, max_new_tokens, method)
         stats = stats if stats is not None else GenerationStats()
+        for events in self._decode([input_ids], max_new_tokens, sampling, method, seed, eos_token_ids, [stats]):
+            for _, new, reason in events:
+                yield new, reason or "length"
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int = 128,
+                       sampling: SamplingParams | None = None, method: str = "eagle", seed: int | None = None,
+                       eos_token_ids: list[int] | None = None) -> list[GenerationOutput]:
+        """Decode several prompts together: one target forward per round verifies every sequence's
+        tree, and each sequence keeps its own accepted length (ragged rows in one KV cache)."""
+        if not prompts:
+            raise EaglespecError("no prompts given")
+        stats = [GenerationStats() for _ in prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        reasons = ["length"] * len(prompts)
+        for events in self._decode(prompts, max_new_tokens, sampling, method, seed, eos_token_ids, stats):
+            for i, new, reason in events:
+                tokens[i] += new
+                reasons[i] = reason or "length"
+        return [GenerationOutput(t, r, st) for t, r, st in zip(tokens, reasons, stats)]
+
+    def _decode(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None, method: str,
+                seed: int | None, eos_token_ids: list[int] | None,
+                stats: list[GenerationStats]) -> Iterator[list[tuple[int, list[int], str | None]]]:
+        """The loop. Yields, once per target forward, (row, new tokens, finish reason or None) events."""
+        sp = sampling or SamplingParams()
+        for ids in prompts:
+            self.check_request(ids, max_new_tokens, method)
+        eagle = method == "eagle" and (self.dynamic is not None or self.tree.n > 1)
+        if eagle and self.dynamic is not None and len(prompts) > 1:
+            raise EaglespecError("dynamic trees decode one sequence at a time; use a static tree "
+                                 "(paper, chain:K) for batches")
         eos = set(eos_token_ids or [])
         gen = None
         if not sp.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed if seed is not None else torch.seed())
-        eagle = method == "eagle" and (self.dynamic is not None or self.tree.n > 1)
         if eagle and self.dynamic is not None and self.dynamic.auto and self.costs is None:
             self.costs = load_or_measure(self)
         depth = self.dynamic.depth if self.dynamic else self.tree.max_depth
         max_nodes = (self.dynamic.total_tokens or self.dynamic.max_nodes) if self.dynamic else self.tree.n
-        cache = KVCache(min(len(input_ids) + max_new_tokens, self.max_context) + max_nodes)
+        lens = [len(ids) for ids in prompts]
+        cache = KVCache(min(max(lens) + max_new_tokens, self.max_context) + max_nodes)
         t0 = self._clock()
 
-        # Prefill: the whole prompt, features f_1..f_N, then the first new token (the first root).
-        feats = self._target(input_ids, 0, cache)
-        root = self._choose(self.lm_head(feats[-1]), sp, gen)
-        n_ctx = len(input_ids)  # tokens in the target cache; the root is not in it yet
-        if eagle:
-            head_cache = KVCache(cache.max_len)
-            pending = (feats, input_ids[1:] + [root])  # head inputs (f_j, t_{j+1}) not yet in head_cache
-        stats.prefill_time_s = self._clock() - t0
-        emitted = 0
+        # Prefill: every prompt (right-padded), features f_1..f_N, then each row's first new token.
+        B, L = len(prompts), max(lens)
+        x = torch.tensor([ids + [0] * (L - len(ids)) for ids in prompts], device=self.device)
+        pos = torch.arange(L, device=self.device).expand(B, L)
+        mask = None
+        if min(lens) < L:
+            causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
+            mask = float_mask(causal[None] & (pos[:, None, :] < torch.tensor(lens, device=self.device)[:, None, None]),
+                              self.dtype)
+        feats = self._forward(x, pos, cache, mask)
+        last = self.lm_head(torch.stack([feats[b, n - 1] for b, n in enumerate(lens)]))
+        rows = [_Row(b, n, self._choose(last[b], sp, gen), stats[b]) for b, n in enumerate(lens)]
+        for r in rows:
+            if eagle:  # head inputs (f_j, t_{j+1}) not yet in the head's cache
+                r.pending = (feats[r.index, :r.n_ctx], prompts[r.index][1:] + [r.root])
+            r.stats.prefill_time_s = self._clock() - t0
+        head_cache = KVCache(cache.max_len) if eagle else None
 
-        def emit(new: list[int]) -> tuple[list[int], str | None]:
-            nonlocal emitted
-            reason = None
+        def emit(r: _Row, new: list[int]) -> tuple[int, list[int], str | None]:
+            if r.emitted + len(new) >= max_new_tokens:  # an EOS past the budget does not count
+                new, r.reason = new[: max_new_tokens - r.emitted], "length"
             for i, t in enumerate(new):
                 if t in eos:
-                    new, reason = new[: i + 1], "eos"
+                    new, r.reason = new[: i + 1], "eos"
                     break
-            if emitted + len(new) >= max_new_tokens:
-                new, reason = new[: max_new_tokens - emitted], reason or "length"
-            emitted += len(new)
-            stats.new_tokens = emitted
-            return new, reason
+            r.emitted += len(new)
+            r.stats.new_tokens = r.emitted
+            r.stats.time_s = self._clock() - t0
+            return r.index, new, r.reason
 
-        new, reason = emit([root])
-        stats.time_s = self._clock() - t0
-        yield new, reason or "length"
-        while reason is None:
-            if n_ctx >= self.max_context:  # no position left for the root
-                reason = "context"
+        yield [emit(r, [r.root]) for r in rows]
+        while True:
+            events = []
+            for r in rows:
+                if r.reason is None and r.n_ctx >= self.max_context:  # no position left for the root
+                    r.reason = "context"
+                    events.append((r.index, [], "context"))
+            live = [i for i, r in enumerate(rows) if r.reason is None]
+            if len(live) < len(rows):
+                if live and len(rows) > 1:
+                    idx = torch.tensor(live, device=self.device)
+                    cache.select_rows(idx)
+                    if head_cache is not None:
+                        head_cache.select_rows(idx)
+                rows = [rows[i] for i in live]
+            if events:
+                yield events
+            if not rows:
                 break
             # near the context limit the deepest tree node would overflow the positions: go plain
-            use_tree = eagle and n_ctx + depth < self.max_context
+            use_tree = eagle and all(r.n_ctx + depth < self.max_context for r in rows)
             ta = self._clock()
             if use_tree:
-                node_tokens, node_q, cur = self._draft(pending, head_cache, sp, gen, ta)
+                node_tokens, node_q, cur = self._draft(rows, head_cache, sp, gen, ta)
             else:
-                node_tokens, node_q, cur = [root], [None], self.plain
+                node_tokens, node_q, cur = [[r.root] for r in rows], [[None] for _ in rows], self.plain
             tb = self._clock()
-            path, bonus, feats = self._verify(node_tokens, node_q, cur, n_ctx, cache, sp, gen, stats)
-            keep = [0] + path
-            cache.compact(n_ctx, torch.tensor(keep, device=self.device))
-            n_ctx += len(keep)
-            accepted = [node_tokens[i] for i in path] + [bonus]
-            if eagle:
-                pending = (feats[keep], accepted) if use_tree else (
-                    torch.cat([pending[0], feats[keep]]), pending[1] + accepted)
-            root = bonus
-            stats.rounds += 1
-            stats.accept_lengths.append(len(accepted))
-            if use_tree and self.dynamic is not None:
-                self._calibrate(len(path))
-            stats.draft_time_s += tb - ta
-            stats.verify_time_s += self._clock() - tb
-            new, reason = emit(accepted)
-            stats.time_s = self._clock() - t0
-            yield new, reason or "length"
-        stats.time_s = self._clock() - t0
-        if reason == "context":
-            yield [], "context"
+            prefix = cache.get_seq_length()
+            paths, bonuses, feats = self._verify(rows, node_tokens, node_q, cur, cache, sp, gen)
+            keeps = [torch.tensor([0] + path, device=self.device) for path in paths]
+            cache.compact_rows([r.n_ctx for r in rows], prefix, keeps)
+            tc = self._clock()
+            events = []
+            for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
+                r.n_ctx += keep.numel()
+                accepted = [node_tokens[b][i] for i in path] + [bonus]
+                if eagle:
+                    f = feats[b].index_select(0, keep)
+                    r.pending = (f, accepted) if use_tree else (torch.cat([r.pending[0], f]), r.pending[1] + accepted)
+                r.root = bonus
+                r.stats.rounds += 1
+                r.stats.accept_lengths.append(len(accepted))
+                r.stats.draft_time_s += tb - ta
+                r.stats.verify_time_s += tc - tb
+                if cur.n > 1:
+                    self._count_alpha(cur, path, r.stats)
+                if use_tree and self.dynamic is not None:
+                    self._calibrate(len(path))
+                events.append(emit(r, accepted))
+            yield events
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _draft(self, pending: tuple[torch.Tensor, list[int]], head_cache: KVCache, sp: SamplingParams,
-               gen: torch.Generator | None, t_round: float) -> tuple[list[int], list[torch.Tensor | None], TreeBuffers]:
-        """Feed the newly committed (feature, next token) pairs to the head, then grow this round's tree.
-        Returns the node tokens, the law each was drawn from (None = chosen deterministically), the tree."""
-        feats, toks = pending
-        committed = head_cache.get_seq_length()
-        pos = torch.arange(committed, committed + len(toks), device=self.device)
-        out = self.head(feats[None].to(self.dtype), torch.tensor([toks], device=self.device), pos[None],
-                        cache=head_cache)
-        committed += len(toks)
+    def _draft(self, rows: list["_Row"], head_cache: KVCache, sp: SamplingParams, gen: torch.Generator | None,
+               t_round: float) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
+        """Feed each row's newly committed (feature, next token) pairs to the head, then grow this
+        round's tree. Returns per row the node tokens and the law each was drawn from (None = chosen
+        deterministically), and the tree shape (shared by all rows)."""
+        counts = [len(r.pending[1]) for r in rows]
+        B, c = len(rows), max(counts)
+        start = head_cache.get_seq_length()
+        hl = torch.tensor([r.head_len for r in rows], device=self.device)
+        feats = torch.zeros(B, c, rows[0].pending[0].shape[-1], dtype=self.dtype, device=self.device)
+        toks = torch.zeros(B, c, dtype=torch.long, device=self.device)
+        for b, r in enumerate(rows):
+            feats[b, : counts[b]] = r.pending[0]
+            toks[b, : counts[b]] = torch.tensor(r.pending[1], device=self.device)
+        pos = hl[:, None] + torch.arange(c, device=self.device)
+        mask = None
+        ragged = any(r.head_len != start for r in rows)  # rows of a batch (or what is left of one)
+        if ragged:  # each row sees its own committed entries, then its new ones causally
+            causal = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
+            mask = float_mask(prefix_tree_mask(causal, start, hl), self.dtype)
+        out = self.head(feats, toks, pos, mask, head_cache)
+        root_f = torch.stack([out[b, n - 1 : n] for b, n in enumerate(counts)])  # (B, 1, H)
+        if ragged or B > 1:
+            head_cache.compact_rows(hl.tolist(), start, [torch.arange(n, device=self.device) for n in counts])
+        for r, n in zip(rows, counts):
+            r.head_len += n
+        lens = [r.head_len for r in rows]
         if self.dynamic is not None:
-            result = self._grow_dynamic(out[0, -1:], toks[-1], committed, head_cache, sp, t_round)
+            result = self._grow_dynamic(root_f, rows[0].root, lens, head_cache, sp, t_round)
         else:
-            result = self._grow_static(out[0, -1:], toks[-1], committed, head_cache, sp, gen)
-        head_cache.crop(committed)
+            result = self._grow_static(root_f, [r.root for r in rows], lens, head_cache, sp, gen)
+        head_cache.crop(max(lens))
         return result
 
-    def _head_level(self, parent_f: torch.Tensor, tokens: list[int], committed: int, depth: int,
+    def _head_level(self, parent_f: torch.Tensor, tokens: list[list[int]], lens: list[int], depth: int,
                     allowed: torch.Tensor, head_cache: KVCache) -> torch.Tensor:
-        """One head forward over all nodes of one depth (tree attention over earlier levels' entries)."""
-        toks = torch.tensor([tokens], device=self.device)
-        pos = torch.full((1, len(tokens)), committed + depth - 1, device=self.device)
-        mask = float_mask(prefix_tree_mask(allowed.to(self.device), committed), self.dtype)
-        return self.head(parent_f[None], toks, pos, mask, head_cache)[0]
+        """One head forward over all nodes of one depth, (B, q, H): each row sees its own committed
+        entries and, by tree attention, its nodes' ancestors from earlier levels."""
+        toks = torch.tensor(tokens, device=self.device)
+        hl = torch.tensor(lens, device=self.device)
+        pos = (hl[:, None] + depth - 1).expand(toks.shape)
+        ragged = hl if len(set(lens)) > 1 else None
+        mask = float_mask(prefix_tree_mask(allowed.to(self.device), max(lens), ragged), self.dtype)
+        return self.head(parent_f, toks, pos, mask, head_cache)
 
-    def _grow_static(self, root_f: torch.Tensor, root: int, committed: int, head_cache: KVCache, sp: SamplingParams,
-                     gen: torch.Generator | None) -> tuple[list[int], list[torch.Tensor | None], TreeBuffers]:
+    def _grow_static(self, root_f: torch.Tensor, roots: list[int], lens: list[int], head_cache: KVCache,
+                     sp: SamplingParams, gen: torch.Generator | None
+                     ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
         head, tree = self.head, self.tree
-        node_feat: dict[int, torch.Tensor] = {0: root_f}
-        node_tokens: list[int] = [root] + [0] * (tree.n - 1)
-        node_q: list[torch.Tensor | None] = [None] * tree.n
+        B = len(roots)
+        node_feat: dict[int, torch.Tensor] = {0: root_f}  # (B, 1, H) per expanded node
+        node_tokens = [[root] + [0] * (tree.n - 1) for root in roots]
+        node_q: list[list[torch.Tensor | None]] = [[None] * tree.n for _ in roots]
         for d in range(tree.max_depth):
             nodes = tree.expand_nodes[d]
             if d == 0:
                 f = root_f
             else:
-                parents_f = torch.cat([node_feat[tree.parent[i]] for i in nodes])
-                f = self._head_level(parents_f, [node_tokens[i] for i in nodes], committed, d, tree.draft_masks[d],
-                                     head_cache)
+                parents_f = torch.cat([node_feat[tree.parent[i]] for i in nodes], dim=1)
+                f = self._head_level(parents_f, [[row[i] for i in nodes] for row in node_tokens], lens, d,
+                                     tree.draft_masks[d], head_cache)
                 for j, i in enumerate(nodes):
-                    node_feat[i] = f[j : j + 1]
-            logits = head.logits(f).float()  # (len(nodes), draft vocab)
+                    node_feat[i] = f[:, j : j + 1]
+            logits = head.logits(f).float().flatten(0, 1)  # (B * len(nodes), draft vocab)
             k = tree.expand_topk[d]
             if sp.greedy or self.draft_sampling == "topk":
                 picks = head.to_target_ids(torch.topk(logits, k, dim=-1).indices).tolist()
@@ -293,17 +384,20 @@ class Engine:
                 q_draft = torch.softmax(logits / sp.temperature, -1)
                 picks = head.to_target_ids(sample_without_replacement(q_draft, k, gen)).tolist()
                 qs = q_draft if head.d2t is None else torch.zeros(
-                    len(nodes), head.vocab_size, device=q_draft.device).index_copy_(1, head.d2t, q_draft)
-            for j, i in enumerate(nodes):
-                for c in tree.children[i]:
-                    r = tree.rank[c]
-                    node_tokens[c] = picks[j][r]
-                    if qs is not None:
-                        node_q[c] = sibling_q(qs[j], picks[j][:r], picks[j][r])
+                    q_draft.shape[0], head.vocab_size, device=q_draft.device).index_copy_(1, head.d2t, q_draft)
+            for b in range(B):
+                for j, i in enumerate(nodes):
+                    row = b * len(nodes) + j
+                    for c in tree.children[i]:
+                        r = tree.rank[c]
+                        node_tokens[b][c] = picks[row][r]
+                        if qs is not None:
+                            node_q[b][c] = sibling_q(qs[row], picks[row][:r], picks[row][r])
         return node_tokens, node_q, tree
 
-    def _grow_dynamic(self, root_f: torch.Tensor, root: int, committed: int, head_cache: KVCache,
-                      sp: SamplingParams, t_round: float) -> tuple[list[int], list[torch.Tensor | None], TreeBuffers]:
+    def _grow_dynamic(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
+                      sp: SamplingParams, t_round: float
+                      ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
         """EAGLE-2: candidates are each expanded node's top-k children, scored by cumulative draft
         log-probability; the best `top_k` of a depth are expanded next, the best overall verified.
         Candidates are deterministic given the head, so they carry a one-hot law (q = None)."""
@@ -330,11 +424,11 @@ class Engine:
                     while j >= 0:
                         allowed[r, col[j]] = True
                         j = parents[j]
-                f = self._head_level(torch.cat([feat[parents[i]] for i in frontier]), [toks[i] for i in frontier],
-                                     committed, d, allowed, head_cache)
+                f = self._head_level(torch.cat([feat[parents[i]] for i in frontier], dim=1),
+                                     [[toks[i] for i in frontier]], lens, d, allowed, head_cache)
                 for r, i in enumerate(frontier):
-                    feat[i] = f[r : r + 1]
-            top = torch.topk(torch.log_softmax(head.logits(f).float() / temp, -1), k, dim=-1)
+                    feat[i] = f[:, r : r + 1]
+            top = torch.topk(torch.log_softmax(head.logits(f[0]).float() / temp, -1), k, dim=-1)
             vals, ids = top.values.tolist(), head.to_target_ids(top.indices).tolist()
             level_start = len(toks)
             for r, pi in enumerate(frontier):
@@ -355,7 +449,7 @@ class Engine:
         by_path = {tuple(p): i for p, i in zip(paths_of(chosen, parents, ranks), chosen)}
         node_tokens = [root] + [toks[by_path[p]] for p in tree.paths[1:]]
         self._predicted = sum(math.exp(scores[i]) for i in chosen)
-        return node_tokens, [None] * tree.n, tree
+        return [node_tokens], [[None] * tree.n], tree
 
     def _calib_ratio(self) -> float:
         accepted, predicted = self._calib
@@ -378,24 +472,31 @@ class Engine:
         return then > now
 
     # -- verification -----------------------------------------------------------------------------
-    def _verify(self, node_tokens: list[int], node_q: list[torch.Tensor | None], tree: TreeBuffers, n_ctx: int,
-                cache: KVCache, sp: SamplingParams, gen: torch.Generator | None,
-                stats: GenerationStats) -> tuple[list[int], int, torch.Tensor | None]:
-        """One target forward over root + all tree nodes; returns (accepted nodes, bonus, features)."""
-        if tree.n == 1:
-            feats = self._target(node_tokens, n_ctx, cache)
-        else:
-            allowed = prefix_tree_mask(tree.ancestor_mask.to(self.device), n_ctx)
-            positions = tree.position_offsets.to(self.device) + n_ctx
-            feats = self._target(node_tokens, n_ctx, cache, float_mask(allowed, self.dtype), positions)
+    def _verify(self, rows: list["_Row"], node_tokens: list[list[int]], node_q: list[list[torch.Tensor | None]],
+                tree: TreeBuffers, cache: KVCache, sp: SamplingParams, gen: torch.Generator | None
+                ) -> tuple[list[list[int]], list[int], torch.Tensor]:
+        """One target forward over every row's root + tree nodes; per row the accepted nodes and
+        the bonus token, and the features (B, n, H)."""
+        prefix = cache.get_seq_length()
+        n_ctx = torch.tensor([r.n_ctx for r in rows], device=self.device)
+        positions = tree.position_offsets.to(self.device)[None] + n_ctx[:, None]
+        mask = None
+        if any(r.n_ctx != prefix for r in rows):  # ragged rows: each sees only its own prefix
+            mask = float_mask(prefix_tree_mask(tree.ancestor_mask.to(self.device), prefix, n_ctx), self.dtype)
+        elif tree.n > 1:
+            mask = float_mask(prefix_tree_mask(tree.ancestor_mask.to(self.device), prefix), self.dtype)
+        feats = self._forward(torch.tensor(node_tokens, device=self.device), positions, cache, mask)
         logits = self.lm_head(feats)
-        if sp.greedy:
-            path, bonus = greedy_accept(logits.argmax(-1).tolist(), node_tokens, tree.children)
-        else:
-            path, bonus = sample_accept(target_probs(logits, sp), node_tokens, tree.children, node_q, gen)
-        if tree.n > 1:
-            self._count_alpha(tree, path, stats)
-        return path, bonus, feats
+        paths, bonuses = [], []
+        argmax = logits.argmax(-1).tolist() if sp.greedy else None
+        for b in range(len(rows)):
+            if sp.greedy:
+                path, bonus = greedy_accept(argmax[b], node_tokens[b], tree.children)
+            else:
+                path, bonus = sample_accept(target_probs(logits[b], sp), node_tokens[b], tree.children, node_q[b], gen)
+            paths.append(path)
+            bonuses.append(bonus)
+        return paths, bonuses, feats
 
     @staticmethod
     def _count_alpha(tree: TreeBuffers, path: list[int], stats: GenerationStats) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .errors import ModelNotFoundError
+from .errors import EaglespecError, ModelNotFoundError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -140,13 +140,22 @@ def eos_ids(tok: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
 
 
 def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+                attn_implementation: str = "sdpa", quantize: str | None = None
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model + tokenizer, ready for `Engine`. Greedy decoding settings of its generation_config
-    (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits."""
+    (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
+    ``quantize="int8"``: weight-only int8 linear layers (see `eaglespec.quant`)."""
+    if quantize not in (None, "none", "int8"):
+        raise EaglespecError(f"quantize must be 'int8' or none, got {quantize!r}")
     src = resolve(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
         tok = AutoTokenizer.from_pretrained(src)
     except OSError as e:
         raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
-    return model.to(device).eval(), tok
+    model = model.to(device).eval()
+    if quantize == "int8":
+        from .quant import quantize_int8
+
+        quantize_int8(model)
+    return model, tok

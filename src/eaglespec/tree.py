@@ -220,17 +220,24 @@ def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
 
 
 def float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool "may attend" -> additive float mask (0 or the dtype's minimum), shape (1, 1, q, k).
-
-    A float mask works for both the eager and the SDPA attention of transformers.
-    """
+    """bool "may attend" (q, k) or (B, q, k) -> additive float mask (0 or the dtype's minimum),
+    shape (1 or B, 1, q, k). A float mask works for both the eager and the SDPA attention of transformers."""
     out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     out.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return out[None, None]
+    return out[None, None] if out.dim() == 2 else out[:, None]
 
 
-def prefix_tree_mask(tree_allowed: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """(q, q) tree mask -> (q, prefix_len + q) mask where every query also sees the whole prefix."""
+def prefix_tree_mask(tree_allowed: torch.Tensor, prefix_len: int, lens: torch.Tensor | None = None) -> torch.Tensor:
+    """(q, s) tree mask -> (q, prefix_len + s) mask where every query also sees the whole prefix.
+
+    With `lens` (B,), a batch of ragged rows: row b's prefix is only its first lens[b] cache
+    entries (the rest of the shared prefix region is padding or stale), giving (B, q, prefix_len + s).
+    """
     q = tree_allowed.shape[0]
-    prefix = torch.ones(q, prefix_len, dtype=torch.bool, device=tree_allowed.device)
-    return torch.cat([prefix, tree_allowed], dim=1)
+    dev = tree_allowed.device
+    if lens is None:
+        prefix = torch.ones(q, prefix_len, dtype=torch.bool, device=dev)
+        return torch.cat([prefix, tree_allowed], dim=1)
+    b = lens.shape[0]
+    prefix = (torch.arange(prefix_len, device=dev)[None, :] < lens.to(dev)[:, None])[:, None, :].expand(b, q, prefix_len)
+    return torch.cat([prefix, tree_allowed[None].expand(b, *tree_allowed.shape)], dim=2)

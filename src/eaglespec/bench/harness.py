@@ -2,7 +2,10 @@
 
 Methods: ``vanilla`` (the engine's plain decoding, the baseline), ``eagle`` (chosen tree),
 ``eagle-chain`` (the paper's chain ablation), ``hf`` (``model.generate``), ``pld`` (transformers'
-prompt-lookup decoding, greedy only).
+prompt-lookup decoding, greedy only), ``llamacpp`` / ``llamacpp-pld`` (llama.cpp on the same GGUF
+file, plain and with its prompt-lookup draft: the absolute yardstick; it computes with quantized
+weights, so its tokens are not expected to equal ours). Batch sizes > 1 get their own table:
+vanilla vs eagle throughput with every sequence of a batch decoded together.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from ..models import eos_ids
 from ..verify import SamplingParams
 from .datasets import load_questions
 
-METHODS = ("vanilla", "eagle", "eagle-chain", "hf", "pld")
+METHODS = ("vanilla", "eagle", "eagle-chain", "hf", "pld", "llamacpp", "llamacpp-pld")
 GREEDY_ONLY = {"pld": "transformers' prompt lookup is greedy-only here"}
+NOT_OURS = {"llamacpp", "llamacpp-pld"}  # other numerics (quantized matmuls): no token equality expected
 
 
 @dataclass
@@ -44,6 +48,8 @@ class BenchConfig:
     out: str = "bench_out"
     warmup: int = 1
     first_turn_only: bool = False
+    quantize: str = "none"  # "int8": every method runs the same weight-only int8 target
+    batch_sizes: tuple[int, ...] = (1,)  # > 1: also the batch throughput table (vanilla vs eagle)
     extra: dict = field(default_factory=dict)
 
 
@@ -55,9 +61,66 @@ class Runner:
         if head is not None:
             self.engines["eagle"] = Engine(model, head, tree=cfg.tree)
             self.engines["eagle-chain"] = Engine(model, head, tree=cfg.chain)
+            # batches need one static tree shape for all rows
+            self.batch_tree = cfg.tree if self.engines["eagle"].dynamic is None else "paper"
+            self.engines["eagle-batch"] = Engine(model, head, tree=self.batch_tree)
+        self.llama = {}
+
+    def unavailable(self, method: str) -> str | None:
+        """Why a method cannot run here (None if it can)."""
+        if method in NOT_OURS:
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                return "llama-cpp-python is not installed (pip install 'eaglespec[llamacpp]'; builds from source, ~6 min)"
+            from ..models import REGISTRY
+
+            if self.cfg.model not in REGISTRY:
+                return f"needs a GGUF file; {self.cfg.model!r} is not a registry model"
+        if method.startswith("eagle") and "eagle" not in self.engines:
+            return "needs a draft head"
+        return None
+
+    def _llama(self, method: str):
+        if method not in self.llama:
+            from llama_cpp import Llama, LlamaPromptLookupDecoding
+
+            from ..models import gguf_path
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if method == "llamacpp-pld" else None
+            self.llama[method] = Llama(model_path=str(gguf_path(self.cfg.model)), n_ctx=4096,
+                                       n_threads=torch.get_num_threads(), n_batch=512, draft_model=draft,
+                                       seed=self.cfg.seed, verbose=False)
+        return self.llama[method]
+
+    def run_llamacpp(self, method: str, ids: list[int], sp: SamplingParams, seed: int) -> dict[str, Any]:
+        llm = self._llama(method)
+        llm.reset()
+        llm.set_seed(seed)
+        toks: list[int] = []
+        t0 = time.perf_counter()
+        for t in llm.generate(ids, temp=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or 0, min_p=0.0,
+                              repeat_penalty=1.0, reset=True):
+            toks.append(int(t))
+            if t in self.eos or len(toks) >= self.cfg.max_new_tokens:
+                break
+        return {"token_ids": toks, "new_tokens": len(toks), "time_s": time.perf_counter() - t0}
+
+    def run_batch(self, method: str, prompts: list[list[int]], sp: SamplingParams, seed: int) -> dict[str, Any]:
+        eng = self.engines["vanilla" if method == "vanilla" else "eagle-batch"]
+        t0 = time.perf_counter()
+        outs = eng.generate_batch(prompts, self.cfg.max_new_tokens, sp, "vanilla" if method == "vanilla" else "eagle",
+                                  seed, self.eos)
+        dt = time.perf_counter() - t0
+        return {"token_ids": [o.token_ids for o in outs], "new_tokens": sum(o.stats.new_tokens for o in outs),
+                "time_s": dt, "rounds": max(o.stats.rounds for o in outs),
+                "accepted": sum(sum(o.stats.accept_lengths) for o in outs),
+                "row_rounds": sum(o.stats.rounds for o in outs)}
 
     def run(self, method: str, ids: list[int], sp: SamplingParams, seed: int) -> dict[str, Any]:
         n = self.cfg.max_new_tokens
+        if method in NOT_OURS:
+            return self.run_llamacpp(method, ids, sp, seed)
         if method in ("vanilla", "eagle", "eagle-chain"):
             eng = self.engines.get(method)
             if eng is None:
@@ -97,22 +160,30 @@ def run_bench(cfg: BenchConfig) -> dict:
     from ..head import EagleDraftHead
     from ..models import load_target
 
-    model, tok = load_target(cfg.model)
+    model, tok = load_target(cfg.model, quantize=cfg.quantize)
     head = EagleDraftHead.from_pretrained(cfg.head, model) if cfg.head else None
     runner = Runner(model, tok, head, cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    skipped: dict[str, str] = {}
+    runnable = []
+    for m in cfg.methods:
+        why = runner.unavailable(m)
+        if why:
+            skipped[m] = why
+        else:
+            runnable.append(m)
     # warm-up: every method once, untimed
     warm_ids = _chat_ids(tok, [{"role": "user", "content": "Say hello."}])
-    for m in cfg.methods:
+    for m in runnable:
         for _ in range(cfg.warmup):
             runner.run(m, warm_ids, SamplingParams(), 0)
     records: list[dict] = []
-    skipped: dict[str, str] = {}
+    batch_records: list[dict] = []
     for temp in cfg.temperatures:
         sp = SamplingParams(temperature=temp)
-        methods = [m for m in cfg.methods if not (temp > 0 and m in GREEDY_ONLY)]
-        for m in set(cfg.methods) - set(methods):
+        methods = [m for m in runnable if not (temp > 0 and m in GREEDY_ONLY)]
+        for m in set(runnable) - set(methods):
             skipped[f"{m}@T={temp}"] = GREEDY_ONLY[m]
         for ds in cfg.datasets:
             questions = load_questions(ds, cfg.limit)
@@ -138,14 +209,61 @@ def run_bench(cfg: BenchConfig) -> dict:
                 bar.set_postfix(vanilla_tok_s=f"{tok_done / max(t_done, 1e-9):.1f}")
             bar.close()
             atomic_write_json({"config": cfg.__dict__, "records": records}, out / "results.json")
+            batch_records += run_batches(runner, tok, questions, ds, temp, sp, [m for m in ("vanilla", "eagle")
+                                                                                  if m in runnable])
     check_equality(records)
     summary = summarize(records, cfg)
     result = {"config": {k: v for k, v in cfg.__dict__.items()}, "machine": machine(), "skipped": skipped,
-              "summary": summary, "records": records}
+              "summary": summary, "records": records, "batch_summary": summarize_batches(batch_records),
+              "batch_records": batch_records,
+              "batch_tree": getattr(runner, "batch_tree", None)}
     atomic_write_json(result, out / "results.json")
     atomic_write_text(report_markdown(result), out / "report.md")
     plot_speedups(summary, out / "speedup.png")
     return result
+
+
+def run_batches(runner: Runner, tok, questions: list[dict], ds: str, temp: float, sp: SamplingParams,
+                methods: list[str]) -> list[dict]:
+    """Paper Table 7: first turns in batches of B, vanilla and eagle interleaved per batch."""
+    recs: list[dict] = []
+    for bs in runner.cfg.batch_sizes:
+        if bs <= 1 or len(methods) < 2:
+            continue
+        prompts = [_chat_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
+        groups = [prompts[i:i + bs] for i in range(0, len(prompts) - bs + 1, bs)]
+        runner.run_batch("eagle", groups[0], sp, 0)  # warm-up at this batch shape
+        for gi, group in enumerate(tqdm(groups, desc=f"{ds} T={temp} batch {bs}", unit="batch", dynamic_ncols=True)):
+            for m in (methods if gi % 2 == 0 else methods[::-1]):
+                r = runner.run_batch(m, group, sp, runner.cfg.seed + gi)
+                recs.append({"dataset": ds, "temperature": temp, "batch_size": bs, "batch": gi, "method": m, **r})
+    base = {(r["dataset"], r["temperature"], r["batch_size"], r["batch"]): r["token_ids"] for r in recs
+            if r["method"] == "vanilla" and r["temperature"] == 0}
+    for r in recs:
+        key = (r["dataset"], r["temperature"], r["batch_size"], r["batch"])
+        if r["method"] != "vanilla" and key in base:
+            r["equal_to_vanilla"] = r["token_ids"] == base[key]
+    return recs
+
+
+def summarize_batches(recs: list[dict]) -> list[dict]:
+    rows = []
+    for key in sorted({(r["dataset"], r["temperature"], r["batch_size"]) for r in recs}):
+        rs = [r for r in recs if (r["dataset"], r["temperature"], r["batch_size"]) == key]
+        tps = {}
+        for m in ("vanilla", "eagle"):
+            mr = [r for r in rs if r["method"] == m]
+            t = sum(r["time_s"] for r in mr)
+            tps[m] = sum(r["new_tokens"] for r in mr) / t if t else None
+        er = [r for r in rs if r["method"] == "eagle"]
+        rr = sum(r["row_rounds"] for r in er)
+        eq = [r["equal_to_vanilla"] for r in er if "equal_to_vanilla" in r]
+        rows.append({"dataset": key[0], "temperature": key[1], "batch_size": key[2], "batches": len(er),
+                     "vanilla_tokens_per_s": tps["vanilla"], "eagle_tokens_per_s": tps["eagle"],
+                     "speedup": tps["eagle"] / tps["vanilla"] if tps["vanilla"] and tps["eagle"] else None,
+                     "tau": sum(r["accepted"] for r in er) / rr if rr else None,
+                     "greedy_equal": all(eq) if eq else None})
+    return rows
 
 
 def check_equality(records: list[dict]) -> None:
@@ -154,7 +272,7 @@ def check_equality(records: list[dict]) -> None:
             if r["method"] == "vanilla" and r["temperature"] == 0}
     for r in records:
         key = (r["dataset"], r["question_id"], r["turn"])
-        if r["temperature"] == 0 and key in base:
+        if r["temperature"] == 0 and key in base and r["method"] not in NOT_OURS:
             r["equal_to_vanilla"] = r["token_ids"] == base[key]
 
 
@@ -226,7 +344,8 @@ def report_markdown(result: dict) -> str:
     cfg, mach = result["config"], result["machine"]
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{cfg['head']}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
-             f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}",
+             f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
+             f"{'int8' if cfg.get('quantize') == 'int8' else 'fp32'}",
              f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
              f"transformers {mach['transformers']}; {mach['date']}", ""]
     for (ds, temp) in sorted({(r["dataset"], r["temperature"]) for r in result["summary"]}):
@@ -243,6 +362,16 @@ def report_markdown(result: dict) -> str:
             lines.append(f"| {r['method']} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup_vs_vanilla'])}x | "
                          f"{_f(r['speedup_vs_hf'])}x | {_f(r['median_ratio_vs_vanilla'])}x | {_f(r.get('tau'))} | "
                          + " | ".join(_f(a) for a in na[:5]) + f" | {split_s} | {r['new_tokens']} | {eq} |")
+        lines.append("")
+    if result.get("batch_summary"):
+        lines += [f"## batch sizes (eagle tree `{result.get('batch_tree')}`)", "",
+                  "| dataset | T | batch size | batches | vanilla tok/s | eagle tok/s | speedup | tau | greedy = vanilla |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in result["batch_summary"]:
+            eq = {True: "yes", False: "**NO**", None: "n/a"}[r["greedy_equal"]]
+            lines.append(f"| {r['dataset']} | {r['temperature']} | {r['batch_size']} | {r['batches']} | "
+                         f"{_f(r['vanilla_tokens_per_s'], 1)} | {_f(r['eagle_tokens_per_s'], 1)} | {_f(r['speedup'])}x | "
+                         f"{_f(r['tau'])} | {eq} |")
         lines.append("")
     for k, why in result["skipped"].items():
         lines.append(f"- `{k}` not run: {why}")
