@@ -19,7 +19,7 @@ def test_bench_end_to_end(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["bench", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"),
                "--dataset", ",".join(datasets), "--limit", "2", "--temperature", "0,1", "--max-new-tokens", "12",
-               "--methods", "vanilla,eagle,eagle-chain,hf,pld,llamacpp", "--batch-size", "1,2", "--out", str(out)])
+               "--methods", "vanilla,eagle,eagle-chain,hf,pld,llamacpp,eagle@dynamic:3,2,5", "--batch-size", "1,2", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     res = json.loads((out / "results.json").read_text())
     assert (out / "report.md").is_file() and (out / "speedup.png").stat().st_size > 1000
@@ -34,6 +34,7 @@ def test_bench_end_to_end(tiny_dirs, tmp_path, capsys):
                 "time_split", "greedy_equal"):
         assert key in eagle
     assert eagle["greedy_equal"] is True and eagle["tau"] > 1
+    assert rows[(str(qfile), 0.0, "eagle@dynamic:3,2,5")]["greedy_equal"] is True  # a tree-ablation row
     assert (str(qfile), 1.0, "pld") not in rows and "pld@T=1.0" in res["skipped"]
     report = (out / "report.md").read_text()
     assert "| eagle |" in report and "not run" in report

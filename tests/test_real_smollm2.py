@@ -79,3 +79,77 @@ def test_shipped_head_greedy_equality_and_acceptance(smol):
         assert eag.token_ids == van.token_ids, text
         taus.append(eag.stats.tau)
     assert sum(taus) / len(taus) > 1.5  # a trained head must accept far more than a random one
+
+
+def _shipped(model):
+    from eaglespec.cli import default_head
+
+    path = default_head("smollm2-135m-instruct")
+    if path is None:
+        pytest.skip("no shipped head")
+    return EagleDraftHead.from_pretrained(path, model)
+
+
+def test_shipped_head_auto_tree_and_batches_equal_vanilla(smol):
+    """The cost-model tree and batched decoding (ragged rows) on the real model, fp32, token for token."""
+    from eaglespec.costmodel import CostProfile
+
+    model, tok = smol
+    head = _shipped(model)
+    prompts = [chat(tok, t) for t in PROMPTS[:3]]
+    refs = [Engine(model, None).generate(ids, 96, method="vanilla").token_ids for ids in prompts]
+    # a CPU-like curve (forward time grows with tokens) so that tree sizes really vary
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    costs = CostProfile(sizes, [0.07 * (1 + 0.04 * (n - 1)) for n in sizes], 0.012, 256, {})
+    auto = Engine(model, head, tree="auto", costs=costs)
+    sizes_used = set()
+    for ids, ref in zip(prompts, refs):
+        out = auto.generate(ids, 96)
+        assert out.token_ids == ref
+        sizes_used |= set(out.stats.accept_lengths)
+    assert len(sizes_used) > 2
+    batch = Engine(model, head, tree="paper").generate_batch(prompts, 96)
+    assert [o.token_ids for o in batch] == refs
+    assert len({tuple(o.stats.accept_lengths) for o in batch}) == 3  # rows advanced differently
+
+
+def test_sampling_law_real_model(smol):
+    """Statistical check on the real model and shipped head: the first three tokens sampled with
+    EAGLE (temperature 1, top-k 3) follow the target's exact law, enumerated with 13 forwards.
+    The head proposes from its own full distribution, so many drafts fall outside the target's
+    top 3 and must always be rejected."""
+    from scipy.stats import chisquare
+
+    from eaglespec.verify import SamplingParams, target_probs
+
+    model, tok = smol
+    head = _shipped(model)
+    sp = SamplingParams(temperature=1.0, top_k=3)
+    ids = chat(tok, "Name a colour.")
+    with torch.no_grad():
+        p1 = target_probs(model(torch.tensor([ids])).logits[0, -1], sp)
+        t1s = p1.nonzero().flatten().tolist()
+        law = {}
+        out2 = model(torch.tensor([ids + [a] for a in t1s])).logits[:, -1]
+        for i, a in enumerate(t1s):
+            p2 = target_probs(out2[i], sp)
+            t2s = p2.nonzero().flatten().tolist()
+            out3 = model(torch.tensor([ids + [a, b] for b in t2s])).logits[:, -1]
+            for j, b in enumerate(t2s):
+                p3 = target_probs(out3[j], sp)
+                for c in p3.nonzero().flatten().tolist():
+                    law[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    eng = Engine(model, head, tree="paper")
+    n = 300
+    counts = dict.fromkeys(law, 0)
+    for s in range(n):
+        t = tuple(eng.generate(ids, 3, sampling=sp, seed=s).token_ids)
+        assert t in counts, t  # never a token outside the target's top 3
+        counts[t] += 1
+    keys = sorted(law, key=lambda k: -law[k])
+    big = [k for k in keys if law[k] * n >= 5]
+    small = [k for k in keys if law[k] * n < 5]
+    f_obs = [counts[k] for k in big] + ([sum(counts[k] for k in small)] if small else [])
+    f_exp = [law[k] * n for k in big] + ([sum(law[k] for k in small) * n] if small else [])
+    f_exp = [e * n / sum(f_exp) for e in f_exp]  # float32 probabilities: renormalise exactly
+    assert chisquare(f_obs, f_exp).pvalue > 1e-3

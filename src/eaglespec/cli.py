@@ -94,7 +94,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--temperature", default="0", help="comma list, e.g. 0,1")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default="vanilla,eagle,eagle-chain,hf,pld")
+    p.add_argument("--methods", default="vanilla,eagle,eagle-chain,hf,pld",
+                   help="comma list of vanilla,eagle,eagle-chain,hf,pld,llamacpp,llamacpp-pld and eagle@TREE "
+                        "(an eagle row with another tree, e.g. eagle@auto, eagle@dynamic:5,4,16)")
     p.add_argument("--tree", default="paper", help=TREE_HELP)
     p.add_argument("--chain", default="chain:5")
     p.add_argument("--batch-size", default="1", help="comma list, e.g. 1,2,4: sizes > 1 add a batch throughput table")
@@ -215,7 +217,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .bench.harness import METHODS, BenchConfig, run_bench
+    from .bench.harness import BenchConfig, parse_methods, run_bench
 
     try:
         batch_sizes = tuple(int(b) for b in str(a.batch_size).split(","))
@@ -225,10 +227,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise EaglespecError("--batch-size values must be in 1..64")
     if a.quick:
         a.dataset, a.limit, a.max_new_tokens, a.temperature = "mt_bench", 10, 128, "0"
-    methods = tuple(m.strip() for m in a.methods.split(",") if m.strip())
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise EaglespecError(f"unknown method(s) {bad}; choose from {METHODS}")
+    methods = parse_methods(a.methods)
     try:
         temps = tuple(float(t) for t in a.temperature.split(","))
     except ValueError:

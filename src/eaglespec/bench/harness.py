@@ -28,7 +28,22 @@ from ..models import eos_ids
 from ..verify import SamplingParams
 from .datasets import load_questions
 
-METHODS = ("vanilla", "eagle", "eagle-chain", "hf", "pld", "llamacpp", "llamacpp-pld")
+METHODS = ("vanilla", "eagle", "eagle-chain", "hf", "pld", "llamacpp", "llamacpp-pld")  # + eagle@TREE
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """Comma list; ``eagle@TREE`` is eagle with another tree (an ablation row), and the commas
+    inside ``eagle@dynamic:5,4,16`` stay with it."""
+    out: list[str] = []
+    for tok in (t.strip() for t in text.split(",")):
+        if tok and tok[0].isdigit() and out:
+            out[-1] += "," + tok
+        elif tok:
+            out.append(tok)
+    bad = [m for m in out if m not in METHODS and not m.startswith("eagle@")]
+    if bad:
+        raise EaglespecError(f"unknown method(s) {bad}; choose from {METHODS} or eagle@TREE")
+    return tuple(out)
 GREEDY_ONLY = {"pld": "transformers' prompt lookup is greedy-only here"}
 NOT_OURS = {"llamacpp", "llamacpp-pld"}  # other numerics (quantized matmuls): no token equality expected
 
@@ -79,6 +94,8 @@ class Runner:
                 return f"needs a GGUF file; {self.cfg.model!r} is not a registry model"
         if method.startswith("eagle") and "eagle" not in self.engines:
             return "needs a draft head"
+        if method.startswith("eagle@") and method not in self.engines:
+            self.engines[method] = Engine(self.model, self.engines["eagle"].head, tree=method.split("@", 1)[1])
         return None
 
     def _llama(self, method: str):
@@ -121,7 +138,7 @@ class Runner:
         n = self.cfg.max_new_tokens
         if method in NOT_OURS:
             return self.run_llamacpp(method, ids, sp, seed)
-        if method in ("vanilla", "eagle", "eagle-chain"):
+        if method in ("vanilla", "eagle", "eagle-chain") or method.startswith("eagle@"):
             eng = self.engines.get(method)
             if eng is None:
                 raise EaglespecError(f"method {method!r} needs a draft head")
@@ -386,7 +403,7 @@ def plot_speedups(summary: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     groups = sorted({(r["dataset"], r["temperature"]) for r in summary})
-    methods = [m for m in METHODS if any(r["method"] == m for r in summary)]
+    methods = list(dict.fromkeys(r["method"] for r in summary))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * len(methods) / 2), 4))
     w = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):
