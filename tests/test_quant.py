@@ -30,3 +30,26 @@ def test_quantized_target_eagle_equals_its_own_vanilla():
         out = eng.generate(ids, 30)
         assert out.token_ids == ref
     assert max(out.stats.accept_lengths) > 1
+
+
+def test_packed_target_eagle_equals_its_own_vanilla():
+    from eaglespec.quant import PackedLinear, pack_target, packed_linear_available
+
+    if not packed_linear_available():
+        import pytest
+        pytest.skip("oneDNN not available")
+    model = tiny_target("qwen2", seed=4)
+    ref_model = tiny_target("qwen2", seed=4)
+    head = good_head(model)
+    pack_target(model)
+    assert isinstance(model.lm_head, PackedLinear)
+    x = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ref_model(x).logits, atol=1e-4, rtol=1e-4)
+    eng = Engine(model, head)  # packs the head too
+    assert head._packed_draft is None and isinstance(head.fc, PackedLinear)
+    for ids in PROMPTS:
+        ref = hf_greedy(model, ids, 30)
+        assert eng.generate(ids, 30, method="vanilla").token_ids == ref
+        assert eng.generate(ids, 30).token_ids == ref
+        assert eng.generate_batch([ids, PROMPTS[0]], 30)[0].token_ids == ref

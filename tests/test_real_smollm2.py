@@ -140,7 +140,7 @@ def test_sampling_law_real_model(smol):
                 for c in p3.nonzero().flatten().tolist():
                     law[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
     eng = Engine(model, head, tree="paper")
-    n = 300
+    n = 240
     counts = dict.fromkeys(law, 0)
     for s in range(n):
         t = tuple(eng.generate(ids, 3, sampling=sp, seed=s).token_ids)

@@ -21,6 +21,8 @@ def default_head(model: str) -> str | None:
     return str(path) if (path / "config.json").is_file() else None
 
 
+PACK_HELP = ("fp32 weights pre-packed for oneDNN (CPU): the same model, much faster when several tokens go "
+             "through a layer (verification); every method uses it")
 QUANT_HELP = "int8: weight-only int8 target (every method, vanilla included, runs the same quantized model)"
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve)")
@@ -34,6 +36,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
+    p.add_argument("--packed", action="store_true", help=PACK_HELP)
     p.add_argument("--out", default=None, help="also write cost_curve.json / .png here")
 
 
@@ -55,6 +58,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
+    p.add_argument("--packed", action="store_true", help=PACK_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -104,6 +108,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--first-turn-only", action="store_true", help="only the first turn of multi-turn questions")
     p.add_argument("--quick", action="store_true", help="10 MT-bench questions, 128 tokens, T=0")
     p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
+    p.add_argument("--packed", action="store_true", help=PACK_HELP)
     p.add_argument("--out", required=True)
 
 
@@ -133,7 +138,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise EaglespecError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise EaglespecError("--device cuda asked for, but CUDA is not available")
-    model, tok = load_target(a.model, device=a.device, quantize=a.quantize)
+    model, tok = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed)
     head = None
     if a.method == "eagle":
         head_path = a.head or default_head(a.model)
@@ -196,7 +201,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     if a.context < 1 or a.repeats < 1:
         raise EaglespecError("--context and --repeats must be >= 1")
-    model, _ = load_target(a.model, device=a.device, quantize=a.quantize)
+    model, _ = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed)
     head_path = a.head or default_head(a.model)
     head = EagleDraftHead.from_pretrained(head_path, model) if head_path else None
     eng = Engine(model, head, tree="auto")
@@ -240,7 +245,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     cfg = BenchConfig(model=a.model, head=head, datasets=tuple(a.dataset.split(",")), limit=a.limit,
                       temperatures=temps, max_new_tokens=a.max_new_tokens, methods=methods, tree=a.tree,
                       chain=a.chain, seed=a.seed, out=a.out, first_turn_only=a.first_turn_only,
-                      batch_sizes=batch_sizes, quantize=a.quantize)
+                      batch_sizes=batch_sizes, quantize=a.quantize, packed=a.packed)
     result = run_bench(cfg)
     print(open(Path(a.out) / "report.md").read())
     bad_eq = [r for r in result["summary"] + result["batch_summary"] if r["greedy_equal"] is False]

@@ -115,6 +115,8 @@ class Engine:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.head = head.eval() if head is not None else None
+        if self.head is not None and getattr(model.config, "eaglespec_kernels", None) == "packed":
+            self.head.pack()  # a packed target gets a packed head: drafting is multi-token too
         spec = parse_spec(tree)
         # a static tree is built once; a dynamic one is regrown by the head every round
         self.dynamic: DynamicTree | None = spec if isinstance(spec, DynamicTree) else None

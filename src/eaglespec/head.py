@@ -64,6 +64,7 @@ class EagleDraftHead(nn.Module):
         self.rotary = rotary_cls(config=self.layer_config)
         self._frozen: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
         self._w_draft: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, not saved
+        self._packed_draft: nn.Module | None = None  # the same rows, pre-packed (inference only)
         # Reduced draft vocabulary (FR-Spec / EAGLE-3 style): draft id -> target id. The head only
         # ever proposes these tokens, which keeps verification lossless and makes drafting cheaper.
         self.register_buffer("d2t", None if draft_vocab is None else draft_vocab.long().clone())
@@ -142,7 +143,24 @@ class EagleDraftHead(nn.Module):
             return self.lm_head(features)
         if self._w_draft is None or self._w_draft.device != features.device or self._w_draft.dtype != features.dtype:
             self.refresh_draft_weight()
+        if self._packed_draft is not None:
+            return self._packed_draft(features)
         return torch.nn.functional.linear(features, self._w_draft.to(features.dtype))
+
+    def pack(self) -> "EagleDraftHead":
+        """Pre-pack the head's linear layers and its draft LM head for oneDNN (see `quant.PackedLinear`)."""
+        from .quant import PackedLinear, pack_linears, packed_linear_available
+
+        if not packed_linear_available() or next(self.parameters()).device.type != "cpu":
+            return self
+        pack_linears(self)
+        if self.d2t is not None and self._packed_draft is None:
+            if self._w_draft is None:
+                self.refresh_draft_weight()
+            lin = nn.Linear(self._w_draft.shape[1], self._w_draft.shape[0], bias=False)
+            lin.weight = nn.Parameter(self._w_draft, requires_grad=False)
+            self._packed_draft = PackedLinear(lin)
+        return self
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]

@@ -140,11 +140,12 @@ def eos_ids(tok: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
 
 
 def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                attn_implementation: str = "sdpa", quantize: str | None = None
+                attn_implementation: str = "sdpa", quantize: str | None = None, packed: bool = False
                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model + tokenizer, ready for `Engine`. Greedy decoding settings of its generation_config
     (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
-    ``quantize="int8"``: weight-only int8 linear layers (see `eaglespec.quant`)."""
+    ``quantize="int8"``: weight-only int8 linear layers; ``packed=True``: fp32 linear layers with
+    weights pre-packed for oneDNN, much faster on CPU for more than one token (see `eaglespec.quant`)."""
     if quantize not in (None, "none", "int8"):
         raise EaglespecError(f"quantize must be 'int8' or none, got {quantize!r}")
     src = resolve(name_or_path)
@@ -158,4 +159,8 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         from .quant import quantize_int8
 
         quantize_int8(model)
+    elif packed and device == "cpu":
+        from .quant import pack_target
+
+        pack_target(model)
     return model, tok

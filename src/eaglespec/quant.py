@@ -57,3 +57,51 @@ def quantize_int8(model: nn.Module, lm_head: bool = True) -> nn.Module:
         model.config.tie_word_embeddings = False  # stop transformers re-tying it to the embedding
     model.config.eaglespec_quantization = "int8"
     return model
+
+
+def packed_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """fp32 linear whose weight is reordered once for oneDNN's GEMM.
+
+    torch's default CPU linear repacks the weight on every call when more than one token goes
+    through it, which makes verifying 2-26 tokens cost 1.7-3x a one-token step on this machine;
+    a pre-packed weight streams once. Measured on 2 EPYC cores: SmolLM2's LM head, 1 token
+    14.7 -> 7.8 ms, 26 tokens 46 -> 17 ms.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # kept (shared): a tied embedding and the draft head read it
+        self.bias = linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed,
+                                               None if self.bias is None else self.bias.detach(), "none", [], "")
+        return y.view(*shape[:-1], self.out_features)
+
+
+def pack_linears(module: nn.Module) -> nn.Module:
+    """Replace every fp32 CPU `nn.Linear` inside `module` by a `PackedLinear`, in place."""
+    if not packed_linear_available():
+        return module
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                setattr(parent, name, PackedLinear(child))
+    return module
+
+
+def pack_target(model: nn.Module) -> nn.Module:
+    """Pack the decoder's linear layers and the LM head of a causal LM (outputs equal up to float rounding)."""
+    pack_linears(model.get_decoder())
+    head = model.get_output_embeddings()
+    if type(head) is nn.Linear and packed_linear_available():
+        model.set_output_embeddings(PackedLinear(head))
+    model.config.eaglespec_kernels = "packed"
+    return model

@@ -64,6 +64,7 @@ class BenchConfig:
     warmup: int = 1
     first_turn_only: bool = False
     quantize: str = "none"  # "int8": every method runs the same weight-only int8 target
+    packed: bool = False  # every method runs the same target with oneDNN pre-packed weights
     batch_sizes: tuple[int, ...] = (1,)  # > 1: also the batch throughput table (vanilla vs eagle)
     extra: dict = field(default_factory=dict)
 
@@ -100,7 +101,8 @@ class Runner:
 
     def _llama(self, method: str):
         if method not in self.llama:
-            from llama_cpp import Llama, LlamaPromptLookupDecoding
+            from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             from ..models import gguf_path
 
@@ -177,7 +179,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from ..head import EagleDraftHead
     from ..models import load_target
 
-    model, tok = load_target(cfg.model, quantize=cfg.quantize)
+    model, tok = load_target(cfg.model, quantize=cfg.quantize, packed=cfg.packed)
     head = EagleDraftHead.from_pretrained(cfg.head, model) if cfg.head else None
     runner = Runner(model, tok, head, cfg)
     out = Path(cfg.out)
@@ -362,7 +364,7 @@ def report_markdown(result: dict) -> str:
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{cfg['head']}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
-             f"{'int8' if cfg.get('quantize') == 'int8' else 'fp32'}",
+             f"{'int8' if cfg.get('quantize') == 'int8' else 'fp32'}{' (oneDNN pre-packed)' if cfg.get('packed') else ''}",
              f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
              f"transformers {mach['transformers']}; {mach['date']}", ""]
     for (ds, temp) in sorted({(r["dataset"], r["temperature"]) for r in result["summary"]}):
