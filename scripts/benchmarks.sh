@@ -5,20 +5,21 @@ set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
 STAGES=${STAGES:-"profile ablation main batch int8 tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
-TREE=${TREE:-auto}   # the eagle row of the main table
-BATCH_TREE=${BATCH_TREE:-chain:2}  # batches need a static tree
+TREE=${TREE:-chain:1}   # the eagle row of the main table: the best tree of the ablation on this CPU
+BATCH_TREE=${BATCH_TREE:-chain:1}  # batches need a static tree
 mkdir -p "$OUT"
 for stage in $STAGES; do
   case $stage in
-    profile)   # the machine's cost curve, fp32 and int8 target
-      eaglespec profile --packed --out "$OUT/profile" | tee "$OUT/profile.md"
+    profile)   # the machine's cost curve: fp32 (torch's default kernels), fp32 pre-packed, int8
+      eaglespec profile --out "$OUT/profile" | tee "$OUT/profile.md"
+      eaglespec profile --packed --out "$OUT/profile-packed" | tee "$OUT/profile-packed.md"
       eaglespec profile --quantize int8 --out "$OUT/profile-int8" | tee "$OUT/profile-int8.md" ;;
     ablation)  # which tree: paper vs chain vs dynamic vs auto, MT-bench first turns, T=0
       eaglespec bench --packed --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
         --methods vanilla,eagle,eagle-chain,eagle@chain:1,eagle@chain:2,eagle@dynamic:4,3,8,eagle@auto --out "$OUT/ablation" ;;
     main)      # all four datasets, T=0 and T=1, every peer
       eaglespec bench --packed --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only --temperature 0,1 --tree "$TREE" \
-        --methods vanilla,hf,pld,eagle,eagle-chain,llamacpp,llamacpp-pld --out "$OUT/main" ;;
+        --methods vanilla,hf,pld,eagle,eagle@paper,eagle-chain,llamacpp,llamacpp-pld --out "$OUT/main" ;;
     batch)     # paper Table 7: throughput at batch sizes 1, 2, 4
       eaglespec bench --packed --dataset mt_bench --first-turn-only --limit 4 --temperature 0 --tree "$BATCH_TREE" \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch" ;;
@@ -26,7 +27,7 @@ for stage in $STAGES; do
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;
     tau)       # the model card's acceptance: 80 MT-bench first turns, paper tree, T=0
-      eaglespec bench --packed --dataset mt_bench --first-turn-only --temperature 0 --tree paper \
+      eaglespec bench --dataset mt_bench --first-turn-only --temperature 0 --tree paper \
         --methods eagle --out "$OUT/tau80" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -106,7 +106,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", default="1", help="comma list, e.g. 1,2,4: sizes > 1 add a batch throughput table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--first-turn-only", action="store_true", help="only the first turn of multi-turn questions")
-    p.add_argument("--quick", action="store_true", help="10 MT-bench questions, 128 tokens, T=0")
+    p.add_argument("--quick", action="store_true", help="10 MT-bench first turns, 128 tokens, T=0, vanilla/eagle/hf")
     p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action="store_true", help=PACK_HELP)
     p.add_argument("--out", required=True)
@@ -230,8 +230,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise EaglespecError(f"--batch-size must be a comma list of integers, got {a.batch_size!r}") from None
     if any(b < 1 or b > 64 for b in batch_sizes):
         raise EaglespecError("--batch-size values must be in 1..64")
-    if a.quick:
+    if a.quick:  # ~5 minutes here: checks a change, not a result
         a.dataset, a.limit, a.max_new_tokens, a.temperature = "mt_bench", 10, 128, "0"
+        a.first_turn_only, a.methods = True, "vanilla,eagle,hf"
     methods = parse_methods(a.methods)
     try:
         temps = tuple(float(t) for t in a.temperature.split(","))
@@ -248,7 +249,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
                       batch_sizes=batch_sizes, quantize=a.quantize, packed=a.packed)
     result = run_bench(cfg)
     print(open(Path(a.out) / "report.md").read())
-    bad_eq = [r for r in result["summary"] + result["batch_summary"] if r["greedy_equal"] is False]
+    # our methods must equal vanilla; a peer that does not (transformers' PLD in fp32 near-ties) is reported only
+    bad_eq = [r for r in result["summary"] + result["batch_summary"]
+              if r["greedy_equal"] is False and r.get("method", "eagle").startswith("eagle")]
     if bad_eq:
         print("eaglespec: error: greedy output differs from vanilla for "
               + ", ".join(f"{r.get('method', 'eagle at batch size %s' % r.get('batch_size'))} on {r['dataset']}"
