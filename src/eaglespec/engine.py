@@ -292,7 +292,8 @@ class Engine:
             prefix = cache.get_seq_length()
             paths, bonuses, feats = self._verify(rows, node_tokens, node_q, cur, cache, sp, gen)
             keeps = [torch.tensor([0] + path, device=self.device) for path in paths]
-            cache.compact_rows([r.n_ctx for r in rows], prefix, keeps)
+            if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
+                cache.compact_rows([r.n_ctx for r in rows], prefix, keeps)
             tc = self._clock()
             events = []
             for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
