@@ -68,16 +68,20 @@ class CostProfile:
         return cls(**json.loads(Path(path).read_text()))
 
 
-def machine_info(engine: "Engine") -> dict:
-    cfg = engine.model.config
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU model as /proc/cpuinfo names it (the platform's guess elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(engine: "Engine") -> dict:
+    cfg = engine.model.config
+    cpu = cpu_name()
     dev = str(engine.device)
     if engine.device.type == "cuda":
         cpu = torch.cuda.get_device_name(engine.device)
