@@ -180,6 +180,19 @@ def test_resume_equals_uninterrupted(tiny_features, tmp_path):
     assert (tmp_path / "a" / "curves.png").is_file() and (tmp_path / "a" / "train_log.json").is_file()
 
 
+def test_init_starts_from_a_trained_head(tiny_features, tmp_path):
+    root = tiny_features
+    common = dict(features=str(root / "feats"), model=str(root / "model"), epochs=1, batch_tokens=128,
+                  draft_vocab=0, eval_conversations=2, save_every=50, warmup_steps=2)
+    train(TrainConfig(out=str(tmp_path / "a"), max_steps=2, lr=1e-3, **common))
+    trained = load_file(str(tmp_path / "a" / "head" / "model.safetensors"))
+    # a vanishing lr: the continued head must still be the trained one, not a fresh random init
+    st = train(TrainConfig(out=str(tmp_path / "b"), max_steps=1, lr=1e-12, init=str(tmp_path / "a" / "head"), **common))
+    continued = load_file(str(tmp_path / "b" / "head" / "model.safetensors"))
+    assert st["step"] == 1 and trained.keys() == continued.keys()
+    assert all(torch.allclose(trained[k], continued[k], atol=1e-6) for k in trained)
+
+
 def test_corrupt_shard_names_the_file(tiny_features, tmp_path):
     import shutil
 

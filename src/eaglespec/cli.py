@@ -23,7 +23,8 @@ def default_head(model: str) -> str | None:
 
 PACK_HELP = ("fp32 weights pre-packed for oneDNN (CPU): the same model, much faster when several tokens go "
              "through a layer (verification); every method uses it")
-QUANT_HELP = "int8: weight-only int8 target (every method, vanilla included, runs the same quantized model)"
+QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
+              "model; int4 is the fast one on CPU)")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve)")
 
@@ -35,7 +36,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action="store_true", help=PACK_HELP)
     p.add_argument("--out", default=None, help="also write cost_curve.json / .png here")
 
@@ -57,7 +58,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-sampling", choices=["topk", "sample"], default="sample",
                    help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action="store_true", help=PACK_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
@@ -107,7 +108,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--first-turn-only", action="store_true", help="only the first turn of multi-turn questions")
     p.add_argument("--quick", action="store_true", help="10 MT-bench first turns, 128 tokens, T=0, vanilla/eagle/hf")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none", help=QUANT_HELP)
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action="store_true", help=PACK_HELP)
     p.add_argument("--out", required=True)
 

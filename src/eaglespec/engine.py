@@ -115,8 +115,10 @@ class Engine:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.head = head.eval() if head is not None else None
-        if self.head is not None and getattr(model.config, "eaglespec_kernels", None) == "packed":
-            self.head.pack()  # a packed target gets a packed head: drafting is multi-token too
+        quant = getattr(model.config, "eaglespec_quantization", None)
+        if self.head is not None and (quant or getattr(model.config, "eaglespec_kernels", None) == "packed"):
+            # a CPU-tuned target gets a CPU-tuned head: drafting must stay cheap next to a fast step
+            self.head.pack("int4" if quant == "int4" else "packed")
         spec = parse_spec(tree)
         # a static tree is built once; a dynamic one is regrown by the head every round
         self.dynamic: DynamicTree | None = spec if isinstance(spec, DynamicTree) else None
@@ -229,7 +231,9 @@ class Engine:
         depth = self.dynamic.depth if self.dynamic else self.tree.max_depth
         max_nodes = (self.dynamic.total_tokens or self.dynamic.max_nodes) if self.dynamic else self.tree.n
         lens = [len(ids) for ids in prompts]
-        cache = KVCache(min(max(lens) + max_new_tokens, self.max_context) + max_nodes)
+        # + depth + 1: a row may overshoot its budget by one accepted path before it leaves the batch,
+        # and the shared write offset (the longest row) keeps that length for the rows still running
+        cache = KVCache(min(max(lens) + max_new_tokens, self.max_context) + depth + 1 + max_nodes)
         t0 = self._clock()
 
         # Prefill: every prompt (right-padded), features f_1..f_N, then each row's first new token.

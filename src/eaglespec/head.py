@@ -147,19 +147,31 @@ class EagleDraftHead(nn.Module):
             return self._packed_draft(features)
         return torch.nn.functional.linear(features, self._w_draft.to(features.dtype))
 
-    def pack(self) -> "EagleDraftHead":
-        """Pre-pack the head's linear layers and its draft LM head for oneDNN (see `quant.PackedLinear`)."""
-        from .quant import PackedLinear, pack_linears, packed_linear_available
+    def pack(self, kind: str = "packed") -> "EagleDraftHead":
+        """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
+        "packed" = fp32 pre-packed for oneDNN (`quant.PackedLinear`), "int4" = `quant.Int4Linear`.
+        A draft is any distribution we can sample from, so a quantized head stays lossless."""
+        from .quant import Int4Linear, PackedLinear, int4_available, pack_linears, packed_linear_available
 
-        if not packed_linear_available() or next(self.parameters()).device.type != "cpu":
+        if next(self.parameters()).device.type != "cpu" or self._packed_draft is not None:
             return self
-        pack_linears(self)
-        if self.d2t is not None and self._packed_draft is None:
+        if kind == "int4" and int4_available():
+            make = Int4Linear
+            for parent in list(self.modules()):
+                for name, child in list(parent.named_children()):
+                    if type(child) is nn.Linear:
+                        setattr(parent, name, Int4Linear(child))
+        elif packed_linear_available():
+            make = PackedLinear
+            pack_linears(self)
+        else:
+            return self
+        if self.d2t is not None:
             if self._w_draft is None:
                 self.refresh_draft_weight()
             lin = nn.Linear(self._w_draft.shape[1], self._w_draft.shape[0], bias=False)
-            lin.weight = nn.Parameter(self._w_draft, requires_grad=False)
-            self._packed_draft = PackedLinear(lin)
+            lin.weight = nn.Parameter(self._w_draft.float(), requires_grad=False)
+            self._packed_draft = make(lin)
         return self
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

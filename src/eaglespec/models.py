@@ -144,10 +144,14 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model + tokenizer, ready for `Engine`. Greedy decoding settings of its generation_config
     (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
-    ``quantize="int8"``: weight-only int8 linear layers; ``packed=True``: fp32 linear layers with
+    ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``packed=True``: fp32 linear layers with
     weights pre-packed for oneDNN, much faster on CPU for more than one token (see `eaglespec.quant`)."""
-    if quantize not in (None, "none", "int8"):
-        raise EaglespecError(f"quantize must be 'int8' or none, got {quantize!r}")
+    if quantize not in (None, "none", "int8", "int4"):
+        raise EaglespecError(f"quantize must be 'int8', 'int4' or none, got {quantize!r}")
+    if attn_implementation == "exact":  # row-exact attention (see `eaglespec.attention`); int4 turns it on itself
+        from .attention import register
+
+        attn_implementation = register()
     src = resolve(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
@@ -155,10 +159,12 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     except OSError as e:
         raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
     model = model.to(device).eval()
-    if quantize == "int8":
-        from .quant import quantize_int8
+    if quantize in ("int8", "int4"):
+        from .quant import int4_available, quantize_weights
 
-        quantize_int8(model)
+        if quantize == "int4" and (device != "cpu" or not int4_available()):
+            raise EaglespecError("quantize='int4' needs torch's CPU int4 kernel (device cpu)")
+        quantize_weights(model, int(quantize[3:]))
     elif packed and device == "cpu":
         from .quant import pack_target
 

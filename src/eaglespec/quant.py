@@ -1,7 +1,7 @@
-"""Weight-only int8 linear layers: a faster target on memory-bound CPUs (gpt-fast's int8 path).
+"""Faster linear layers for a CPU target: weight-only int8 / int4 (gpt-fast's paths) and oneDNN pre-packing.
 
 Decoding a small model on a CPU streams every weight once per forward; int8 weights stream a
-quarter of fp32's bytes. Activations stay in the model's dtype. A quantized target is its own
+quarter of fp32's bytes, int4 an eighth. Activations stay in the model's dtype. A quantized target is its own
 vanilla: EAGLE stays lossless with respect to the target as it runs, and the benchmark's vanilla
 uses the same quantized target, so speedup ratios stay honest.
 """
@@ -41,21 +41,76 @@ class Int8Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
-def quantize_int8(model: nn.Module, lm_head: bool = True) -> nn.Module:
-    """Replace the decoder's linear layers (and the LM head) by `Int8Linear`, in place.
+class Int4Linear(nn.Module):
+    """y = x @ dequant(int4 weight).T + bias, with per-group (along K) scale and minimum.
+
+    w = q * scale + min, q in 0..15, groups of `group_size` input channels: the same affine form as
+    the GGUF Q4_1 blocks our models ship in, so a Q4_1 weight round-trips almost exactly.
+    torch's CPU kernel wants bf16 activations (fp32 ones take a 10x slower path); the output is
+    cast back. Each output row depends on its own input row only (checked in the tests), so
+    verifying many tokens gives the same numbers as decoding them one by one.
+    """
+
+    def __init__(self, linear: nn.Linear, group_size: int = 32):
+        super().__init__()
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        if k % group_size:
+            raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+        self.in_features, self.out_features, self.group_size = k, n, group_size
+        g = w.view(n, k // group_size, group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # the kernel dequantizes (q - 8) * scale + zero, so zero = min + 8 * scale; layout (K/g, N, 2)
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        self._q = q.to(torch.uint8)  # kept for `weight` (slicing by a reduced draft vocabulary)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, exactly what the kernel multiplies by (up to bf16 rounding)."""
+        sz = self.scales_and_zeros.float().transpose(0, 1)  # (N, K/g, 2)
+        q = self._q.view(self.out_features, -1, self.group_size).float()
+        w = (q - 8) * sz[..., :1] + sz[..., 1:]
+        return w.view(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True) -> nn.Module:
+    """Replace the decoder's linear layers (and the LM head) by `Int8Linear` or `Int4Linear`, in place.
 
     The input embedding stays as it is (a lookup reads one row, not the whole matrix), so a tied
-    LM head gets its own int8 copy.
+    LM head gets its own quantized copy.
     """
+    make = {8: Int8Linear, 4: Int4Linear}[bits]
     decoder = model.get_decoder()
-    for name, module in list(decoder.named_modules()):
+    for module in list(decoder.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8Linear(child))
+                setattr(module, child_name, make(child))
     if lm_head and isinstance(model.get_output_embeddings(), nn.Linear):
-        model.set_output_embeddings(Int8Linear(model.get_output_embeddings()))
+        model.set_output_embeddings(make(model.get_output_embeddings()))
         model.config.tie_word_embeddings = False  # stop transformers re-tying it to the embedding
-    model.config.eaglespec_quantization = "int8"
+    if bits == 4:  # bf16 activations: attention must be row-exact for EAGLE to equal vanilla (see attention.py)
+        from .attention import register
+
+        model.set_attn_implementation(register())
+    model.config.eaglespec_quantization = f"int{bits}"
     return model
 
 

@@ -63,7 +63,7 @@ class BenchConfig:
     out: str = "bench_out"
     warmup: int = 1
     first_turn_only: bool = False
-    quantize: str = "none"  # "int8": every method runs the same weight-only int8 target
+    quantize: str = "none"  # "int8" / "int4": every method runs the same weight-only quantized target
     packed: bool = False  # every method runs the same target with oneDNN pre-packed weights
     batch_sizes: tuple[int, ...] = (1,)  # > 1: also the batch throughput table (vanilla vs eagle)
     extra: dict = field(default_factory=dict)
@@ -358,7 +358,7 @@ def report_markdown(result: dict) -> str:
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{cfg['head']}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
-             f"{'int8' if cfg.get('quantize') == 'int8' else 'fp32'}{' (oneDNN pre-packed)' if cfg.get('packed') else ''}",
+             f"{cfg.get('quantize') if cfg.get('quantize') in ('int8', 'int4') else 'fp32'}{' (oneDNN pre-packed)' if cfg.get('packed') else ''}",
              f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
              f"transformers {mach['transformers']}; {mach['date']}", ""]
     for (ds, temp) in sorted({(r["dataset"], r["temperature"]) for r in result["summary"]}):

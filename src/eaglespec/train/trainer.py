@@ -53,6 +53,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     input_mode: str = "feature+shifted_token"
+    init: str = ""  # a head folder to start from (weights and draft vocabulary), e.g. to train a shipped head further
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -235,6 +236,9 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
             diff = {k: (state["config"].get(k), v) for k, v in asdict(cfg).items() if state["config"].get(k) != v}
             if set(diff) - {"max_steps", "save_every", "epochs"}:
                 raise EaglespecError(f"{out} was trained with other settings {diff}; use another --out")
+    elif cfg.init:
+        head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
+        state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
     else:
         torch.manual_seed(cfg.seed)
         always = eos_ids(tok, target)
