@@ -295,16 +295,16 @@ class Engine:
             tb = self._clock()
             prefix = cache.get_seq_length()
             paths, bonuses, feats = self._verify(rows, node_tokens, node_q, cur, cache, sp, gen)
-            keeps = [torch.tensor([0] + path, device=self.device) for path in paths]
+            keeps = [[0] + path for path in paths]  # tree rows to keep: the root and the accepted nodes
             if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
-                cache.compact_rows([r.n_ctx for r in rows], prefix, keeps)
+                cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
             tc = self._clock()
             events = []
             for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
-                r.n_ctx += keep.numel()
+                r.n_ctx += len(keep)
                 accepted = [node_tokens[b][i] for i in path] + [bonus]
                 if eagle:
-                    f = feats[b].index_select(0, keep)
+                    f = feats[b, keep]
                     r.pending = (f, accepted) if use_tree else (torch.cat([r.pending[0], f]), r.pending[1] + accepted)
                 r.root = bonus
                 r.stats.rounds += 1
@@ -487,11 +487,11 @@ class Engine:
         prefix = cache.get_seq_length()
         n_ctx = torch.tensor([r.n_ctx for r in rows], device=self.device)
         positions = tree.position_offsets.to(self.device)[None] + n_ctx[:, None]
-        mask = None
-        if any(r.n_ctx != prefix for r in rows):  # ragged rows: each sees only its own prefix
-            mask = float_mask(prefix_tree_mask(tree.ancestor_mask.to(self.device), prefix, n_ctx), self.dtype)
-        elif tree.n > 1:
-            mask = float_mask(prefix_tree_mask(tree.ancestor_mask.to(self.device), prefix), self.dtype)
+        ragged = any(r.n_ctx != prefix for r in rows)  # ragged rows: each sees only its own prefix
+        mask = None  # a plain aligned step is causal
+        if ragged or tree.n > 1:
+            mask = float_mask(prefix_tree_mask(tree.ancestor_mask.to(self.device), prefix, n_ctx if ragged else None),
+                              self.dtype)
         feats = self._forward(torch.tensor(node_tokens, device=self.device), positions, cache, mask)
         logits = self.lm_head(feats)
         paths, bonuses = [], []
