@@ -39,6 +39,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action="store_true", help=PACK_HELP)
     p.add_argument("--out", default=None, help="also write cost_curve.json / .png here")
+    p.add_argument("--compare", nargs="+", metavar="LABEL=JSON", default=None,
+                   help="measure nothing: overlay saved cost_curve.json files in one PNG (--out DIR)")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -202,6 +204,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     if a.context < 1 or a.repeats < 1:
         raise EaglespecError("--context and --repeats must be >= 1")
+    if a.compare:
+        return _compare_profiles(a.compare, a.out)
     model, _ = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed)
     head_path = a.head or default_head(a.model)
     head = EagleDraftHead.from_pretrained(head_path, model) if head_path else None
@@ -219,6 +223,33 @@ def cmd_profile(a: argparse.Namespace) -> int:
     for n, t in zip(prof.sizes, prof.verify_s):
         print(f"| {n} | {1000 * t:.1f} | {t / prof.verify_s[0]:.2f} |")
     print(f"draft level: {1000 * prof.draft_level_s:.1f} ms; cached in {cached}")
+    return 0
+
+
+def _compare_profiles(items: list[str], out: str | None) -> int:
+    from . import costmodel
+
+    if not out:
+        raise EaglespecError("--compare needs --out DIR for the PNG")
+    profiles = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep:
+            raise EaglespecError(f"--compare takes LABEL=PATH/cost_curve.json, got {item!r}")
+        try:
+            profiles[label] = costmodel.CostProfile.load(Path(path))
+        except (OSError, ValueError, TypeError) as e:
+            raise EaglespecError(f"{path}: not a cost curve ({e})") from None
+    Path(out).mkdir(parents=True, exist_ok=True)
+    costmodel.plot(profiles, Path(out) / "cost_curve.png")
+    sizes = sorted(set().union(*(p.sizes for p in profiles.values())))
+    print("| tokens | " + " | ".join(f"{k} (ms)" for k in profiles) + " |")
+    print("|---|" + "---|" * len(profiles))
+    for n in sizes:
+        print(f"| {n} | " + " | ".join(f"{1000 * p.verify_s[p.sizes.index(n)]:.0f}" if n in p.sizes else "" for p in
+                                       profiles.values()) + " |")
+    print("| one draft level | " + " | ".join(f"{1000 * p.draft_level_s:.1f}" for p in profiles.values()) + " |")
+    print(f"plot: {Path(out) / 'cost_curve.png'}")
     return 0
 
 

@@ -164,23 +164,36 @@ def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = 
     return prof
 
 
-def plot(profile: CostProfile, path: Path) -> None:
+def plot(profiles: "CostProfile | dict[str, CostProfile]", path: Path) -> None:
+    """The cost curve (target forward vs tokens, and one draft level) of one profile, or several
+    labelled ones on the same axes (e.g. fp32 / packed / int4)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ms = [1000 * t for t in profile.verify_s]
-    ax.plot(profile.sizes, ms, marker="o", label="target forward + LM head")
-    ax.axhline(1000 * profile.draft_level_s, color="tab:orange", ls="--", label="one draft level (head)")
+    if isinstance(profiles, CostProfile):
+        profiles = {"": profiles}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, (label, prof) in enumerate(profiles.items()):
+        color = f"C{k}"
+        name = f"{label}: " if label else ""
+        ax.plot(prof.sizes, [1000 * t for t in prof.verify_s], marker="o", ms=3, color=color,
+                label=f"{name}target forward + LM head")
+        ax.axhline(1000 * prof.draft_level_s, color=color, ls="--", lw=1, label=f"{name}one draft level (head)")
+    first = next(iter(profiles.values()))
     ax.set_xlabel("tokens verified in one forward")
     ax.set_ylabel("ms")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"cost curve: {profile.machine.get('model', '')}\n{profile.machine.get('processor', '')}, "
-                 f"{profile.machine.get('threads')} threads, context {profile.context}", fontsize=9)
+    top = max(max(p.verify_s) for p in profiles.values())
+    low = min(min(min(p.verify_s), p.draft_level_s) for p in profiles.values())
+    if top > 30 * low:
+        ax.set_yscale("log")  # curves an order of magnitude apart (e.g. a slow int8 kernel)
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_title(f"cost curve: {first.machine.get('model', '')}\n{first.machine.get('processor', '')}, "
+                 f"{first.machine.get('threads')} threads, context {first.context}", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
