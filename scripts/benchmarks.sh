@@ -3,27 +3,38 @@
 # with STAGES="tau"). Run on an idle machine: other CPU load distorts every ratio.
 set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
-STAGES=${STAGES:-"profile ablation main batch int8 tau"}
+STAGES=${STAGES:-"profile ablation ablation-int4 main int4 batch tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
 TREE=${TREE:-chain:1}   # the eagle row of the main table: the best tree of the ablation on this CPU
+TREE4=${TREE4:-chain:1} # the same for the int4 target (its own ablation)
 BATCH_TREE=${BATCH_TREE:-chain:1}  # batches need a static tree
 mkdir -p "$OUT"
 for stage in $STAGES; do
   case $stage in
-    profile)   # the machine's cost curve: fp32 (torch's default kernels), fp32 pre-packed, int8
+    profile)   # the machine's cost curve: fp32 (torch's default kernels), fp32 pre-packed, int8, int4
       eaglespec profile --out "$OUT/profile" | tee "$OUT/profile.md"
       eaglespec profile --packed --out "$OUT/profile-packed" | tee "$OUT/profile-packed.md"
-      eaglespec profile --quantize int8 --out "$OUT/profile-int8" | tee "$OUT/profile-int8.md" ;;
+      eaglespec profile --quantize int8 --out "$OUT/profile-int8" | tee "$OUT/profile-int8.md"
+      eaglespec profile --quantize int4 --out "$OUT/profile-int4" | tee "$OUT/profile-int4.md"
+      eaglespec profile --compare fp32="$OUT/profile/cost_curve.json" packed="$OUT/profile-packed/cost_curve.json" \
+        int8="$OUT/profile-int8/cost_curve.json" int4="$OUT/profile-int4/cost_curve.json" --out "$OUT/profile-all" \
+        | tee "$OUT/profile-all.md" ;;
     ablation)  # which tree: paper vs chain vs dynamic vs auto, MT-bench first turns, T=0
       eaglespec bench --packed --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
         --methods vanilla,eagle,eagle-chain,eagle@chain:1,eagle@chain:2,eagle@dynamic:4,3,8,eagle@auto --out "$OUT/ablation" ;;
+    ablation-int4)  # the same question for the int4 target, whose cost curve differs
+      eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
+        --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto --out "$OUT/ablation-int4" ;;
     main)      # all four datasets, T=0 and T=1, every peer
       eaglespec bench --packed --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only --temperature 0,1 --tree "$TREE" \
         --methods vanilla,hf,pld,eagle,eagle@paper,eagle-chain,llamacpp,llamacpp-pld --out "$OUT/main" ;;
     batch)     # paper Table 7: throughput at batch sizes 1, 2, 4
       eaglespec bench --packed --dataset mt_bench --first-turn-only --limit 4 --temperature 0 --tree "$BATCH_TREE" \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch" ;;
-    int8)      # a faster target: weight-only int8, its own vanilla, against llama.cpp
+    int4)      # the fast target: weight-only int4 (its own vanilla), all four datasets, against llama.cpp
+      eaglespec bench --quantize int4 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+        --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,pld,eagle,llamacpp --out "$OUT/int4" ;;
+    int8)      # weight-only int8 (slower than fp32 on this CPU: not in the default stages)
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;
     tau)       # the model card's acceptance: 80 MT-bench first turns, paper tree, T=0

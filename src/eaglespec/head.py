@@ -33,7 +33,7 @@ def _layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
     cfg.num_hidden_layers = 1
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = [cfg.layer_types[0]]
-    if getattr(cfg, "_attn_implementation", None) in (None, "flash_attention_2", "flex_attention"):
+    if getattr(cfg, "_attn_implementation", None) in (None, "flash_attention_2", "flex_attention", "eaglespec_exact"):
         cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -209,7 +209,9 @@ class EagleDraftHead(nn.Module):
         layer_cfg_dict = dict(cfg["layer_config"])
         model_type = layer_cfg_dict.pop("model_type", cfg["model_type"])
         layer_cfg = AutoConfig.for_model(model_type, **layer_cfg_dict)
-        layer_cfg._attn_implementation = "sdpa" if target is None else target.config._attn_implementation
+        impl = "sdpa" if target is None else target.config._attn_implementation
+        # row-exact attention is for the target's verification; a draft does not need it
+        layer_cfg._attn_implementation = "sdpa" if impl == "eaglespec_exact" else impl
         weights = path / "model.safetensors"
         try:
             state = load_file(str(weights))

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..cache import KVCache
 from ..errors import CheckpointError, EaglespecError
-from ..head import EagleDraftHead
+from ..head import EagleDraftHead, read_head_config
 from ..io import atomic_torch_save, atomic_write_json, atomic_write_text
 from ..models import eos_ids
 from ..tree import float_mask
@@ -299,6 +299,8 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         final = acc.unwrap_model(head_p)
         final.metadata = {"train_config": asdict(cfg), "steps": step, "tokens_seen": state["tokens_seen"],
                           "train_time_s": state["train_time_s"], "evals": state["evals"]}
+        if cfg.init:  # the history of the head this run continued
+            final.metadata["init_metadata"] = read_head_config(Path(cfg.init)).get("metadata", {})
         final.save_pretrained(out / "head")
         plot_curves(state, out / "curves.png")
     return state
