@@ -5,8 +5,8 @@ set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
 STAGES=${STAGES:-"profile ablation ablation-int4 main int4 batch tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
-TREE=${TREE:-chain:1}   # the eagle row of the main table: the best tree of the ablation on this CPU
-TREE4=${TREE4:-chain:1} # the same for the int4 target (its own ablation)
+TREE=${TREE:-auto}     # the eagle row of the main table: the best tree of the ablation on this CPU
+TREE4=${TREE4:-auto}    # the same for the int4 target (its own ablation)
 BATCH_TREE=${BATCH_TREE:-chain:1}  # batches need a static tree
 mkdir -p "$OUT"
 for stage in $STAGES; do
@@ -27,7 +27,7 @@ for stage in $STAGES; do
         --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto --out "$OUT/ablation-int4" ;;
     main)      # all four datasets, T=0 and T=1, every peer
       eaglespec bench --packed --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only --temperature 0,1 --tree "$TREE" \
-        --methods vanilla,hf,pld,eagle,eagle@paper,eagle-chain,llamacpp,llamacpp-pld --out "$OUT/main" ;;
+        --methods vanilla,hf,pld,eagle,eagle@chain:1,eagle@paper,llamacpp,llamacpp-pld --out "$OUT/main" ;;
     batch)     # paper Table 7: throughput at batch sizes 1, 2, 4
       eaglespec bench --packed --dataset mt_bench --first-turn-only --limit 4 --temperature 0 --tree "$BATCH_TREE" \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch" ;;
@@ -38,7 +38,7 @@ for stage in $STAGES; do
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;
     tau)       # the model card's acceptance: 80 MT-bench first turns, paper tree, T=0
-      eaglespec bench --dataset mt_bench --first-turn-only --temperature 0 --tree paper \
+      eaglespec bench --packed --dataset mt_bench --first-turn-only --temperature 0 --tree paper \
         --methods eagle --out "$OUT/tau80" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -114,12 +114,36 @@ def test_profile_writes_curve_and_auto_uses_it(tiny_dirs, run, gen, tmp_path, mo
     assert json.loads(out)["token_ids"] == json.loads(van)["token_ids"]
 
 
-def test_generate_int8_target(tiny_dirs, gen):
-    """--quantize int8: eagle and vanilla run the same quantized target, so their tokens agree."""
+def test_profile_compare_overlays_saved_curves(run, tmp_path):
+    from eaglespec.costmodel import CostProfile
+
+    for name, scale in (("a", 1.0), ("b", 0.4)):
+        CostProfile([1, 2, 4], [0.08 * scale, 0.09 * scale, 0.1 * scale], 0.01 * scale, 64, {"model": "m"}).save(
+            tmp_path / f"{name}.json")
+    rc, out, err = run("profile", "--compare", f"fp32={tmp_path / 'a.json'}", f"int4={tmp_path / 'b.json'}",
+                       "--out", str(tmp_path / "cmp"))
+    assert rc == 0, err
+    assert "| tokens | fp32 (ms) | int4 (ms) |" in out and "| 4 | 100 | 40 |" in out
+    assert (tmp_path / "cmp" / "cost_curve.png").stat().st_size > 0
+    (tmp_path / "bad.json").write_text("{not json")
+    for args in ([f"x={tmp_path / 'bad.json'}"], [str(tmp_path / "a.json")], [f"x={tmp_path / 'missing.json'}"]):
+        rc, out, err = run("profile", "--compare", *args, "--out", str(tmp_path / "cmp"))
+        assert rc == 2 and err.startswith("eaglespec: error:") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_generate_quantized_target(tiny_dirs, gen, quant):
+    """--quantize: eagle and vanilla run the same quantized target, so their tokens agree."""
+    from eaglespec.quant import int4_available
+
+    if quant == "int4" and not int4_available():
+        pytest.skip("torch has no CPU int4 kernel")
     outs = []
     for method in ("eagle", "vanilla"):
         rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "16", "--json", "--method", method,
-                           "--quantize", "int8")
+                           "--quantize", quant)
         assert rc == 0, err
         outs.append(json.loads(out)["token_ids"])
     assert outs[0] == outs[1] and len(outs[0]) == 16
+
+

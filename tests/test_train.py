@@ -191,6 +191,8 @@ def test_init_starts_from_a_trained_head(tiny_features, tmp_path):
     continued = load_file(str(tmp_path / "b" / "head" / "model.safetensors"))
     assert st["step"] == 1 and trained.keys() == continued.keys()
     assert all(torch.allclose(trained[k], continued[k], atol=1e-6) for k in trained)
+    meta = json.loads((tmp_path / "b" / "head" / "config.json").read_text())["metadata"]
+    assert meta["init_metadata"]["steps"] == 2  # the continued head's history is kept
 
 
 def test_corrupt_shard_names_the_file(tiny_features, tmp_path):

@@ -190,7 +190,7 @@ def plot(profiles: "CostProfile | dict[str, CostProfile]", path: Path) -> None:
         ax.set_yscale("log")  # curves an order of magnitude apart (e.g. a slow int8 kernel)
     else:
         ax.set_ylim(bottom=0)
-    ax.set_title(f"cost curve: {first.machine.get('model', '')}\n{first.machine.get('processor', '')}, "
+    ax.set_title(f"cost curve: {Path(str(first.machine.get('model', ''))).name}\n{first.machine.get('processor', '')}, "
                  f"{first.machine.get('threads')} threads, context {first.context}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
