@@ -157,3 +157,12 @@ def test_int4_target_eagle_equals_its_own_vanilla(tree):
     if rows is not None:
         assert [r.token_ids for r in rows] == [eng.generate_batch(PROMPTS[:2], 40, method="vanilla")[i].token_ids
                                                for i in range(2)]
+
+
+@needs_int4
+def test_int4_rejects_layers_it_cannot_group():
+    from eaglespec.errors import EaglespecError
+    from eaglespec.quant import Int4Linear
+
+    with pytest.raises(EaglespecError, match="divisible by 32"):
+        Int4Linear(torch.nn.Linear(40, 64))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .errors import EaglespecError
+
 
 class Int8Linear(nn.Module):
     """y = x @ (int8 weight * per-output-channel scale).T + bias."""
@@ -56,7 +58,7 @@ class Int4Linear(nn.Module):
         w = linear.weight.detach().float()
         n, k = w.shape
         if k % group_size:
-            raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+            raise EaglespecError(f"int4 needs input sizes divisible by {group_size}; a linear layer has {k}")
         self.in_features, self.out_features, self.group_size = k, n, group_size
         g = w.view(n, k // group_size, group_size)
         lo, hi = g.amin(-1), g.amax(-1)
