@@ -3,7 +3,7 @@
 # with STAGES="tau"). Run on an idle machine: other CPU load distorts every ratio.
 set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
-STAGES=${STAGES:-"profile ablation ablation-int4 main int4 batch tau"}
+STAGES=${STAGES:-"profile ablation ablation-int4 main int4 int4-t1 batch tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
 TREE=${TREE:-auto}     # the eagle row of the main table: the best tree of the ablation on this CPU
 TREE4=${TREE4:-auto}    # the same for the int4 target (its own ablation)
@@ -34,6 +34,9 @@ for stage in $STAGES; do
     int4)      # the fast target: weight-only int4 (its own vanilla), all four datasets, against llama.cpp
       eaglespec bench --quantize int4 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
         --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,pld,eagle,llamacpp --out "$OUT/int4" ;;
+    int4-t1)   # T = 1 on the int4 target: auto (deterministic dynamic drafts) vs chain:1 (sampled drafts)
+      eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 1 --tree auto \
+        --methods vanilla,eagle,eagle@chain:1 --out "$OUT/int4-t1" ;;
     int8)      # weight-only int8 (slower than fp32 on this CPU: not in the default stages)
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;
