@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -151,16 +152,14 @@ class EagleDraftHead(nn.Module):
         """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
         "packed" = fp32 pre-packed for oneDNN (`quant.PackedLinear`), "int4" = `quant.Int4Linear`.
         A draft is any distribution we can sample from, so a quantized head stays lossless."""
-        from .quant import Int4Linear, PackedLinear, int4_available, pack_linears, packed_linear_available
+        from .quant import (Int4Linear, PackedLinear, int4_available, pack_linears, packed_linear_available,
+                            replace_linears)
 
         if next(self.parameters()).device.type != "cpu" or self._packed_draft is not None:
             return self
         if kind == "int4" and int4_available():
-            make = Int4Linear
-            for parent in list(self.modules()):
-                for name, child in list(parent.named_children()):
-                    if type(child) is nn.Linear:
-                        setattr(parent, name, Int4Linear(child))
+            make = partial(Int4Linear, keep_weight=False)
+            replace_linears(self, make)
         elif packed_linear_available():
             make = PackedLinear
             pack_linears(self)

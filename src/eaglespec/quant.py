@@ -8,6 +8,9 @@ uses the same quantized target, so speedup ratios stay honest.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -53,7 +56,7 @@ class Int4Linear(nn.Module):
     verifying many tokens gives the same numbers as decoding them one by one.
     """
 
-    def __init__(self, linear: nn.Linear, group_size: int = 32):
+    def __init__(self, linear: nn.Linear, group_size: int = 32, keep_weight: bool = True):
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
@@ -68,12 +71,16 @@ class Int4Linear(nn.Module):
         # the kernel dequantizes (q - 8) * scale + zero, so zero = min + 8 * scale; layout (K/g, N, 2)
         self.register_buffer("scales_and_zeros",
                              torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
-        self._q = q.to(torch.uint8)  # kept for `weight` (slicing by a reduced draft vocabulary)
+        # unpacked codes, only for `weight` (an LM head sliced by a reduced draft vocabulary): 1 byte
+        # per weight, twice the packed size, so layers nobody reads leave them out
+        self._q = q.to(torch.uint8) if keep_weight else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight, exactly what the kernel multiplies by (up to bf16 rounding)."""
+        if self._q is None:
+            raise RuntimeError("this Int4Linear was built with keep_weight=False")
         sz = self.scales_and_zeros.float().transpose(0, 1)  # (N, K/g, 2)
         q = self._q.view(self.out_features, -1, self.group_size).float()
         w = (q - 8) * sz[..., :1] + sz[..., 1:]
@@ -98,7 +105,7 @@ class FusedLinear(nn.Module):
     decode step here (per-call overhead and better use of the kernel).
     """
 
-    def __init__(self, layers: list[nn.Linear], make: type):
+    def __init__(self, layers: list[nn.Linear], make: Callable[[nn.Linear], nn.Module]):
         super().__init__()
         lin = nn.Linear(layers[0].in_features, sum(m.out_features for m in layers), bias=layers[0].bias is not None)
         with torch.no_grad():
@@ -129,7 +136,7 @@ class _Part(nn.Module):
         return self._fused[0].part(x, self.i)
 
 
-def fuse_projections(decoder: nn.Module, make: type) -> None:
+def fuse_projections(decoder: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
     """Fuse q/k/v and gate/up of every decoder layer that has them (Llama, Qwen2, Mistral, ...)."""
     groups = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
     for layer in getattr(decoder, "layers", []):
@@ -157,13 +164,11 @@ def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True) -> n
     LM head gets its own quantized copy.
     """
     make = {8: Int8Linear, 4: Int4Linear}[bits]
+    inner = partial(Int4Linear, keep_weight=False) if bits == 4 else make  # nothing reads decoder weights
     decoder = model.get_decoder()
     if bits == 4:
-        fuse_projections(decoder, make)
-    for module in list(decoder.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, make(child))
+        fuse_projections(decoder, inner)
+    replace_linears(decoder, inner, lambda lin: isinstance(lin, nn.Linear))
     if lm_head and isinstance(model.get_output_embeddings(), nn.Linear):
         model.set_output_embeddings(make(model.get_output_embeddings()))
         model.config.tie_word_embeddings = False  # stop transformers re-tying it to the embedding
@@ -202,15 +207,22 @@ class PackedLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
+def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module],
+                    pred: Callable[[nn.Module], bool] = lambda m: type(m) is nn.Linear) -> nn.Module:
+    """Replace every child inside `module` for which `pred` holds (plain `nn.Linear`s) by `make(child)`, in place."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if pred(child):
+                setattr(parent, name, make(child))
+    return module
+
+
 def pack_linears(module: nn.Module) -> nn.Module:
     """Replace every fp32 CPU `nn.Linear` inside `module` by a `PackedLinear`, in place."""
     if not packed_linear_available():
         return module
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, PackedLinear(child))
-    return module
+    return replace_linears(module, PackedLinear, lambda m: type(m) is nn.Linear and m.weight.dtype == torch.float32
+                           and m.weight.device.type == "cpu")
 
 
 def pack_target(model: nn.Module) -> nn.Module:
