@@ -236,14 +236,14 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
             diff = {k: (state["config"].get(k), v) for k, v in asdict(cfg).items() if state["config"].get(k) != v}
             if set(diff) - {"max_steps", "save_every", "epochs"}:
                 raise EaglespecError(f"{out} was trained with other settings {diff}; use another --out")
-    elif cfg.init:
-        head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
-        state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
     else:
-        torch.manual_seed(cfg.seed)
-        always = eos_ids(tok, target)
-        d2t = draft_vocabulary(train_set.token_counts, cfg.draft_vocab, always)
-        head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t).bind(target)
+        if cfg.init:
+            head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
+        else:
+            torch.manual_seed(cfg.seed)
+            always = eos_ids(tok, target)
+            d2t = draft_vocabulary(train_set.token_counts, cfg.draft_vocab, always)
+            head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t).bind(target)
         state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
