@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "eaglespec_exact"
 MAX_EXACT_ROWS = 64  # query blocks up to this size take the row-by-row path
@@ -45,8 +46,6 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                     **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention interface: query (B, H, M, d), key/value (B, Hkv, L, d) -> (B, M, H, d)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     b, h, m, d = query.shape
     if m > MAX_EXACT_ROWS:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
