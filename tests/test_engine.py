@@ -202,7 +202,8 @@ def exact_three_token_law(model, ids, sp):
 
 @pytest.mark.parametrize("draft_sampling,tree", [("topk", [[0], [1], [0, 0], [0, 1], [1, 0]]),
                                                  ("sample", [[0], [1], [0, 0], [0, 1], [1, 0]]),
-                                                 ("sample", "dynamic:2,2,4")])
+                                                 ("topk", "dynamic:3,2,6"),
+                                                 ("sample", "dynamic:3,3,7"), ("sample", "dynamic:3,3,0")])
 def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
     V = 8
     model = tiny_target("llama", seed=11, vocab=V)
@@ -212,7 +213,8 @@ def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
     ids = [2, 5, 3]
     law = exact_three_token_law(model, ids, sp).flatten()
-    eng = Engine(model, head, tree=tree, draft_sampling=draft_sampling)
+    # dynamic:3,3,0 is auto; with free verification every frontier node draws top_k siblings
+    eng = Engine(model, head, tree=tree, draft_sampling=draft_sampling, costs=synthetic_costs(0.0, 0.0))
     n = 4000
     counts = torch.zeros(V ** 3)
     for s in range(n):

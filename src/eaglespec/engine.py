@@ -347,7 +347,7 @@ class Engine:
             r.head_len += n
         lens = [r.head_len for r in rows]
         if self.dynamic is not None:
-            result = self._grow_dynamic(root_f, rows[0].root, lens, head_cache, sp, t_round)
+            result = self._grow_dynamic(root_f, rows[0].root, lens, head_cache, sp, gen, t_round)
         else:
             result = self._grow_static(root_f, [r.root for r in rows], lens, head_cache, sp, gen)
         head_cache.crop(max(lens))
@@ -402,12 +402,33 @@ class Engine:
                             node_q[b][c] = sibling_q(qs[row], picks[row][:r], picks[row][r])
         return node_tokens, node_q, tree
 
+    def _expand(self, frontier: list[int], toks: list[int], parents: list[int], slots: list[int],
+                feat: dict[int, torch.Tensor], lens: list[int], depth: int, head_cache: KVCache) -> torch.Tensor:
+        """One head forward over the frontier candidates of a dynamic tree; each sees its ancestors'
+        head-cache entries (`slots` lists the candidates with an entry, in cache order)."""
+        slots += frontier
+        allowed = torch.zeros(len(frontier), len(slots), dtype=torch.bool)
+        col = {c: j for j, c in enumerate(slots)}
+        for r, i in enumerate(frontier):
+            j = i
+            while j >= 0:
+                allowed[r, col[j]] = True
+                j = parents[j]
+        f = self._head_level(torch.cat([feat[parents[i]] for i in frontier], dim=1),
+                             [[toks[i] for i in frontier]], lens, depth, allowed, head_cache)
+        for r, i in enumerate(frontier):
+            feat[i] = f[:, r : r + 1]
+        return f
+
     def _grow_dynamic(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
-                      sp: SamplingParams, t_round: float
+                      sp: SamplingParams, gen: torch.Generator | None, t_round: float
                       ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
         """EAGLE-2: candidates are each expanded node's top-k children, scored by cumulative draft
         log-probability; the best `top_k` of a depth are expanded next, the best overall verified.
-        Candidates are deterministic given the head, so they carry a one-hot law (q = None)."""
+        Candidates are deterministic given the head, so they carry a one-hot law (q = None).
+        When sampling with sampled drafts, `_grow_sampled` grows the tree instead."""
+        if not sp.greedy and self.draft_sampling == "sample":
+            return self._grow_sampled(root_f, root, lens, head_cache, sp, gen, t_round)
         head, dyn = self.head, self.dynamic
         k, temp = dyn.top_k, (1.0 if sp.greedy else sp.temperature)
         toks: list[int] = []
@@ -423,18 +444,7 @@ class Engine:
                 frontier = sorted(level, key=lambda i: (-scores[i], i))[:k]
                 if dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
                     break
-                slots += frontier
-                allowed = torch.zeros(len(frontier), len(slots), dtype=torch.bool)
-                col = {c: j for j, c in enumerate(slots)}
-                for r, i in enumerate(frontier):
-                    j = i
-                    while j >= 0:
-                        allowed[r, col[j]] = True
-                        j = parents[j]
-                f = self._head_level(torch.cat([feat[parents[i]] for i in frontier], dim=1),
-                                     [[toks[i] for i in frontier]], lens, d, allowed, head_cache)
-                for r, i in enumerate(frontier):
-                    feat[i] = f[:, r : r + 1]
+                f = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
             top = torch.topk(torch.log_softmax(head.logits(f[0]).float() / temp, -1), k, dim=-1)
             vals, ids = top.values.tolist(), head.to_target_ids(top.indices).tolist()
             level_start = len(toks)
@@ -457,6 +467,74 @@ class Engine:
         node_tokens = [root] + [toks[by_path[p]] for p in tree.paths[1:]]
         self._predicted = sum(math.exp(scores[i]) for i in chosen)
         return [node_tokens], [[None] * tree.n], tree
+
+    def _grow_sampled(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
+                      sp: SamplingParams, gen: torch.Generator | None, t_round: float
+                      ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
+        """A dynamic tree of sampled drafts (T > 0). Lossless only if every drawn node is verified
+        with the law it was drawn from, so nothing is pruned after drawing: each level first decides,
+        from what is already drawn and the expanded nodes' distributions (never from the draws it is
+        about to make), how many children each frontier node draws; those are then drawn without
+        replacement, in order, and all of them are verified. A child's planned value is its parent's
+        cumulative probability times the head's k-th largest probability at the parent."""
+        head, dyn = self.head, self.dynamic
+        k, temp = dyn.top_k, sp.temperature
+        toks: list[int] = []
+        parents: list[int] = []
+        ranks: list[int] = []
+        scores: list[float] = []  # cumulative draft log-probability of the drawn tokens
+        laws: list[torch.Tensor | None] = []
+        feat: dict[int, torch.Tensor] = {-1: root_f}
+        slots: list[int] = []
+        frontier, f, level_start = [-1], root_f, 0
+        c = self._calib_ratio()
+        for d in range(dyn.depth):
+            if d > 0:
+                frontier = sorted(range(level_start, len(toks)), key=lambda i: (-scores[i], i))[:k]
+                if not frontier or dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
+                    break
+                f = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
+            q = torch.softmax(head.logits(f[0]).float() / temp, -1)  # (len(frontier), draft vocab)
+            planned = torch.topk(q, k, dim=-1).values.tolist()
+            # candidate slots (value, frontier row, rank), best first; per row a prefix by construction
+            cand = sorted(((math.exp(0.0 if pi < 0 else scores[pi]) * planned[r][j] * c, r, j)
+                           for r, pi in enumerate(frontier) for j in range(k)), key=lambda x: (-x[0], x[1], x[2]))
+            drawn = [math.exp(x) * c for x in scores]
+            if dyn.auto:
+                gains = sorted(drawn + [v for v, _, _ in cand], reverse=True)
+                m, _ = self.costs.best_size(gains, self._clock() - t_round)
+                cut = gains[m - 1] if m > 0 else math.inf
+                take = [x for x in cand if x[0] >= cut]
+            else:
+                take = cand[: max(0, dyn.total_tokens - 1 - len(toks))]
+            counts = [0] * len(frontier)
+            for _, r, _ in take:
+                counts[r] += 1
+            if not take:
+                break
+            picks = sample_without_replacement(q, max(counts), gen)
+            target_ids = head.to_target_ids(picks).tolist()
+            q_full = q if head.d2t is None else torch.zeros(q.shape[0], head.vocab_size, device=q.device).index_copy_(
+                1, head.d2t, q)
+            level_start = len(toks)
+            for r, pi in enumerate(frontier):
+                base = 0.0 if pi < 0 else scores[pi]
+                for j in range(counts[r]):
+                    tok = target_ids[r][j]
+                    toks.append(tok)
+                    parents.append(pi)
+                    ranks.append(j)
+                    scores.append(base + math.log(max(float(q[r, picks[r][j]]), 1e-30)))
+                    laws.append(sibling_q(q_full[r], target_ids[r][:j], tok))
+        everything = list(range(len(toks)))
+        if not everything:
+            self._predicted = 0.0
+            return [[root]], [[None]], self.plain
+        tree = build_tree(paths_of(everything, parents, ranks))
+        by_path = {tuple(p): i for p, i in zip(paths_of(everything, parents, ranks), everything)}
+        order = [by_path[p] for p in tree.paths[1:]]
+        self._predicted = sum(math.exp(scores[i]) for i in everything)
+        return [[root] + [toks[i] for i in order]], [[None] + [laws[i] for i in order]], tree
 
     def _calib_ratio(self) -> float:
         accepted, predicted = self._calib
