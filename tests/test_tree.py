@@ -78,7 +78,7 @@ def test_masks():
 
 
 # -- dynamic trees (EAGLE-2) ----------------------------------------------------------------------
-from eaglespec.tree import DynamicTree, parse_spec, paths_of, select_nodes  # noqa: E402
+from eaglespec.tree import DynamicTree, parse_spec, paths_of, plan_children, select_nodes  # noqa: E402
 
 
 def test_parse_spec_dynamic_and_auto():
@@ -108,3 +108,13 @@ def test_select_nodes_best_and_ancestor_closed():
     assert paths == [[0], [1], [0, 0], [0, 0, 0]]
     t = build_tree(paths)
     assert t.n == 5 and t.max_depth == 3
+
+
+def test_plan_children_takes_the_best_slots_as_prefixes():
+    slots = [[0.5, 0.2, 0.1], [0.4, 0.3, 0.05]]
+    assert plan_children([], slots, keep=3, cap=99) == [1, 2]  # 0.5, 0.4, 0.3
+    assert plan_children([0.9, 0.45], slots, keep=3, cap=99) == [1, 0]  # drawn nodes hold two places
+    assert plan_children([], slots, keep=99, cap=4) == [2, 2]  # the cap takes the best four
+    assert plan_children([], slots, keep=0, cap=99) == [0, 0]
+    assert plan_children([], [[0.3, 0.3, 0.3]], keep=2, cap=99) == [3]  # ties are all in
+    assert plan_children([], [[0.5, 0.5], [0.5]], keep=2, cap=2) == [2, 0]  # ties: lower node first

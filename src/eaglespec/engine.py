@@ -18,7 +18,8 @@ from .cache import KVCache
 from .errors import EaglespecError
 from .head import EagleDraftHead
 from .costmodel import CostProfile, load_or_measure
-from .tree import DynamicTree, TreeBuffers, build_tree, float_mask, parse_spec, paths_of, prefix_tree_mask, select_nodes
+from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, parse_spec, paths_of, plan_children,
+                   prefix_tree_mask, select_nodes)
 from .verify import SamplingParams, greedy_accept, sample_accept, target_probs
 
 DRAFT_SAMPLING = ("topk", "sample")
@@ -475,14 +476,15 @@ class Engine:
         with the law it was drawn from, so nothing is pruned after drawing: each level first decides,
         from what is already drawn and the expanded nodes' distributions (never from the draws it is
         about to make), how many children each frontier node draws; those are then drawn without
-        replacement, in order, and all of them are verified. A child's planned value is its parent's
-        cumulative probability times the head's k-th largest probability at the parent."""
+        replacement, in order, and all of them are verified. The j-th child's value is its parent's
+        times the head's j-th largest probability at the parent: the shape follows the head's
+        distributions, and the calibration compares acceptance with the same planned values."""
         head, dyn = self.head, self.dynamic
         k, temp = dyn.top_k, sp.temperature
         toks: list[int] = []
         parents: list[int] = []
         ranks: list[int] = []
-        scores: list[float] = []  # cumulative draft log-probability of the drawn tokens
+        scores: list[float] = []  # log planned value of each drawn node
         laws: list[torch.Tensor | None] = []
         feat: dict[int, torch.Tensor] = {-1: root_f}
         slots: list[int] = []
@@ -496,21 +498,17 @@ class Engine:
                 f = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
             q = torch.softmax(head.logits(f[0]).float() / temp, -1)  # (len(frontier), draft vocab)
             planned = torch.topk(q, k, dim=-1).values.tolist()
-            # candidate slots (value, frontier row, rank), best first; per row a prefix by construction
-            cand = sorted(((math.exp(0.0 if pi < 0 else scores[pi]) * planned[r][j] * c, r, j)
-                           for r, pi in enumerate(frontier) for j in range(k)), key=lambda x: (-x[0], x[1], x[2]))
+            slot_values = [[math.exp(0.0 if pi < 0 else scores[pi]) * p * c for p in planned[r]]
+                           for r, pi in enumerate(frontier)]
             drawn = [math.exp(x) * c for x in scores]
             if dyn.auto:
-                gains = sorted(drawn + [v for v, _, _ in cand], reverse=True)
-                m, _ = self.costs.best_size(gains, self._clock() - t_round)
-                cut = gains[m - 1] if m > 0 else math.inf
-                take = [x for x in cand if x[0] >= cut]
+                gains = sorted(drawn + [v for row in slot_values for v in row], reverse=True)
+                keep, _ = self.costs.best_size(gains, self._clock() - t_round)
+                counts = plan_children(drawn, slot_values, keep, len(gains))
             else:
-                take = cand[: max(0, dyn.total_tokens - 1 - len(toks))]
-            counts = [0] * len(frontier)
-            for _, r, _ in take:
-                counts[r] += 1
-            if not take:
+                budget = dyn.total_tokens - 1
+                counts = plan_children(drawn, slot_values, budget, budget - len(toks))
+            if not any(counts):
                 break
             picks = sample_without_replacement(q, max(counts), gen)
             target_ids = head.to_target_ids(picks).tolist()
@@ -524,7 +522,7 @@ class Engine:
                     toks.append(tok)
                     parents.append(pi)
                     ranks.append(j)
-                    scores.append(base + math.log(max(float(q[r, picks[r][j]]), 1e-30)))
+                    scores.append(base + math.log(max(planned[r][j], 1e-30)))
                     laws.append(sibling_q(q_full[r], target_ids[r][:j], tok))
         everything = list(range(len(toks)))
         if not everything:

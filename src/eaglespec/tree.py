@@ -8,6 +8,7 @@ parent comes before its children and every depth level is one contiguous slice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,23 @@ def select_nodes(scores: list[float], parents: list[int], budget: int) -> list[i
             chosen.add(j)
             j = parents[j]
     return sorted(chosen)
+
+
+def plan_children(drawn: list[float], slots: list[list[float]], keep: int, cap: int) -> list[int]:
+    """How many children each frontier node of a sampled tree draws this level.
+
+    drawn: values of the nodes already drawn (they stay, whatever comes). slots[r][j]: value of
+    frontier node r's j-th draw (non-increasing in j). Takes the slots that rank among the best
+    `keep` of drawn + slots (ties included), at most `cap` of them, best first. Per node the taken
+    slots are a prefix, so the counts can be decided before anything is drawn.
+    """
+    ranked = sorted(drawn + [v for row in slots for v in row], reverse=True)
+    worst = -math.inf if keep >= len(ranked) else (ranked[keep - 1] if keep > 0 else math.inf)
+    counts = [0] * len(slots)
+    for _, r, j in sorted((-v, r, j) for r, row in enumerate(slots) for j, v in enumerate(row))[: max(0, cap)]:
+        if slots[r][j] >= worst and counts[r] == j:
+            counts[r] += 1
+    return counts
 
 
 def paths_of(selected: list[int], parents: list[int], ranks: list[int]) -> list[list[int]]:
