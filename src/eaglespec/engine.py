@@ -127,6 +127,8 @@ class Engine:
         self.plain: TreeBuffers = build_tree("chain:0")  # root only: one token per forward
         self.costs = costs  # the machine's cost curve, for `auto` (measured on first use if None)
         self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
+        self._calib_rank: list[list[float]] = []  # the same per sibling rank, for sampled trees
+        self._predicted_rank: list[float] | None = None
         self.draft_sampling = draft_sampling
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -315,7 +317,7 @@ class Engine:
                 if cur.n > 1:
                     self._count_alpha(cur, path, r.stats)
                 if use_tree and self.dynamic is not None:
-                    self._calibrate(len(path))
+                    self._calibrate(cur, path)
                 events.append(emit(r, accepted))
             yield events
 
@@ -466,7 +468,7 @@ class Engine:
         # build_tree orders nodes by (depth, path); map each back to its candidate
         by_path = {tuple(p): i for p, i in zip(paths_of(chosen, parents, ranks), chosen)}
         node_tokens = [root] + [toks[by_path[p]] for p in tree.paths[1:]]
-        self._predicted = sum(math.exp(scores[i]) for i in chosen)
+        self._predicted, self._predicted_rank = sum(math.exp(scores[i]) for i in chosen), None
         return [node_tokens], [[None] * tree.n], tree
 
     def _grow_sampled(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
@@ -489,7 +491,7 @@ class Engine:
         feat: dict[int, torch.Tensor] = {-1: root_f}
         slots: list[int] = []
         frontier, f, level_start = [-1], root_f, 0
-        c = self._calib_ratio()
+        c = [self._rank_ratio(j) for j in range(k)]  # sampled siblings accept less the later they come
         for d in range(dyn.depth):
             if d > 0:
                 frontier = sorted(range(level_start, len(toks)), key=lambda i: (-scores[i], i))[:k]
@@ -498,9 +500,9 @@ class Engine:
                 f = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
             q = torch.softmax(head.logits(f[0]).float() / temp, -1)  # (len(frontier), draft vocab)
             planned = torch.topk(q, k, dim=-1).values.tolist()
-            slot_values = [[math.exp(0.0 if pi < 0 else scores[pi]) * p * c for p in planned[r]]
+            slot_values = [[math.exp(0.0 if pi < 0 else scores[pi]) * p * c[j] for j, p in enumerate(planned[r])]
                            for r, pi in enumerate(frontier)]
-            drawn = [math.exp(x) * c for x in scores]
+            drawn = [math.exp(x) * c[j] for x, j in zip(scores, ranks)]
             if dyn.auto:
                 gains = sorted(drawn + [v for row in slot_values for v in row], reverse=True)
                 keep, _ = self.costs.best_size(gains, self._clock() - t_round)
@@ -526,22 +528,37 @@ class Engine:
                     laws.append(sibling_q(q_full[r], target_ids[r][:j], tok))
         everything = list(range(len(toks)))
         if not everything:
-            self._predicted = 0.0
+            self._predicted, self._predicted_rank = 0.0, [0.0] * k
             return [[root]], [[None]], self.plain
         tree = build_tree(paths_of(everything, parents, ranks))
         by_path = {tuple(p): i for p, i in zip(paths_of(everything, parents, ranks), everything)}
         order = [by_path[p] for p in tree.paths[1:]]
-        self._predicted = sum(math.exp(scores[i]) for i in everything)
+        self._predicted = sum(math.exp(x) for x in scores)
+        self._predicted_rank = [sum(math.exp(x) for x, j in zip(scores, ranks) if j == r) for r in range(k)]
         return [[root] + [toks[i] for i in order]], [[None] + [laws[i] for i in order]], tree
 
     def _calib_ratio(self) -> float:
         accepted, predicted = self._calib
         return min(2.0, max(0.2, accepted / predicted))
 
-    def _calibrate(self, accepted: int) -> None:
-        """Track how the head's cumulative confidence relates to what the target really accepts."""
+    def _rank_ratio(self, rank: int) -> float:
+        if rank >= len(self._calib_rank):
+            return 1.0
+        accepted, predicted = self._calib_rank[rank]
+        return min(2.0, max(0.05, accepted / predicted))
+
+    def _calibrate(self, tree: TreeBuffers, path: list[int]) -> None:
+        """Track how the head's cumulative confidence relates to what the target really accepts
+        (overall, and per sibling rank after a sampled round)."""
         decay = 0.98
-        self._calib = [decay * self._calib[0] + accepted, decay * self._calib[1] + self._predicted]
+        self._calib = [decay * self._calib[0] + len(path), decay * self._calib[1] + self._predicted]
+        if self._predicted_rank is not None:
+            while len(self._calib_rank) < len(self._predicted_rank):
+                self._calib_rank.append([1.0, 1.0])
+            for r, pred in enumerate(self._predicted_rank):
+                hits = sum(tree.rank[n] == r for n in path)
+                a, p = self._calib_rank[r]
+                self._calib_rank[r] = [decay * a + hits, decay * p + pred]
 
     def _worth_a_level(self, scores: list[float], parents: list[int], frontier: list[int], t_round: float) -> bool:
         """Would one more draft level raise this round's expected tokens per second? Each frontier
