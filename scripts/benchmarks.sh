@@ -34,7 +34,7 @@ for stage in $STAGES; do
     int4)      # the fast target: weight-only int4 (its own vanilla), all four datasets, against llama.cpp
       eaglespec bench --quantize int4 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
         --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,pld,eagle,llamacpp --out "$OUT/int4" ;;
-    int4-t1)   # T = 1 on the int4 target: auto (deterministic dynamic drafts) vs chain:1 (sampled drafts)
+    int4-t1)   # T = 1 on the int4 target: auto (a sampled dynamic tree) vs chain:1 (one sampled draft)
       eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 1 --tree auto \
         --methods vanilla,eagle,eagle@chain:1 --out "$OUT/int4-t1" ;;
     int8)      # weight-only int8 (slower than fp32 on this CPU: not in the default stages)
