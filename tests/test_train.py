@@ -205,3 +205,26 @@ def test_corrupt_shard_names_the_file(tiny_features, tmp_path):
     with pytest.raises(CheckpointError, match=shard.name):
         train(TrainConfig(features=str(feats), out=str(tmp_path / "o"), model=str(tiny_features / "model"),
                           max_steps=1))
+
+
+def test_interrupted_extract_leaves_a_true_manifest(tiny_features, tmp_path, monkeypatch):
+    """Killed mid-split, the manifest still lists exactly the shards on disk (and a rerun resumes)."""
+    import eaglespec.train.extract as ex
+
+    real, calls = ex._shard, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # heldout shard, first train shard, then the kill
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(ex, "_shard", interrupted)
+    root = tiny_features
+    cfg = ExtractConfig(model=str(root / "model"), out_dir=str(tmp_path / "feats"), data=str(root / "convs.jsonl"),
+                        max_len=64, max_tokens=10_000, heldout=4, conversations_per_shard=8)
+    with pytest.raises(KeyboardInterrupt):
+        extract(cfg)
+    manifest = json.loads((tmp_path / "feats" / "manifest.json").read_text())
+    on_disk = sorted(p.name for p in (tmp_path / "feats" / "train").glob("*.safetensors"))
+    assert on_disk and [s["file"].split("/")[-1] for s in manifest["train"]["shards"]] == on_disk

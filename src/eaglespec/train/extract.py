@@ -125,10 +125,11 @@ def extract(cfg: ExtractConfig) -> dict:
                 bar.set_postfix(tok_per_s=f"{tok_new / max(t_new, 1e-9):.0f}")
             done_tokens += n
             shards.append({"file": f"{name}/{path.name}", "tokens": n})
+            # after every shard, so that an interrupted run's manifest still describes what is on disk
+            report[name] = {"shards": shards, "tokens": done_tokens,
+                            "new_tokens": tok_new, "tokens_per_s": tok_new / t_new if t_new else None}
+            atomic_write_json(report, manifest_path)
         bar.close()
-        report[name] = {"shards": shards, "tokens": done_tokens,
-                        "new_tokens": tok_new, "tokens_per_s": tok_new / t_new if t_new else None}
-        atomic_write_json(report, manifest_path)
     return report
 
 
