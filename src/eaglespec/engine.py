@@ -393,8 +393,7 @@ class Engine:
             else:
                 q_draft = torch.softmax(logits / sp.temperature, -1)
                 picks = head.to_target_ids(sample_without_replacement(q_draft, k, gen)).tolist()
-                qs = q_draft if head.d2t is None else torch.zeros(
-                    q_draft.shape[0], head.vocab_size, device=q_draft.device).index_copy_(1, head.d2t, q_draft)
+                qs = head.to_target_probs(q_draft)
             for b in range(B):
                 for j, i in enumerate(nodes):
                     row = b * len(nodes) + j
@@ -464,12 +463,9 @@ class Engine:
         else:
             budget = dyn.total_tokens - 1
         chosen = select_nodes(scores, parents, budget)
-        tree = build_tree(paths_of(chosen, parents, ranks)) if chosen else self.plain
-        # build_tree orders nodes by (depth, path); map each back to its candidate
-        by_path = {tuple(p): i for p, i in zip(paths_of(chosen, parents, ranks), chosen)}
-        node_tokens = [root] + [toks[by_path[p]] for p in tree.paths[1:]]
+        tree, order = self._tree_of(chosen, parents, ranks)
         self._predicted, self._predicted_rank = sum(math.exp(scores[i]) for i in chosen), None
-        return [node_tokens], [[None] * tree.n], tree
+        return [[root] + [toks[i] for i in order]], [[None] * tree.n], tree
 
     def _grow_sampled(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
                       sp: SamplingParams, gen: torch.Generator | None, t_round: float
@@ -514,8 +510,7 @@ class Engine:
                 break
             picks = sample_without_replacement(q, max(counts), gen)
             target_ids = head.to_target_ids(picks).tolist()
-            q_full = q if head.d2t is None else torch.zeros(q.shape[0], head.vocab_size, device=q.device).index_copy_(
-                1, head.d2t, q)
+            q_full = head.to_target_probs(q)
             level_start = len(toks)
             for r, pi in enumerate(frontier):
                 base = 0.0 if pi < 0 else scores[pi]
@@ -526,26 +521,31 @@ class Engine:
                     ranks.append(j)
                     scores.append(base + math.log(max(planned[r][j], 1e-30)))
                     laws.append(sibling_q(q_full[r], target_ids[r][:j], tok))
-        everything = list(range(len(toks)))
-        if not everything:
-            self._predicted, self._predicted_rank = 0.0, [0.0] * k
-            return [[root]], [[None]], self.plain
-        tree = build_tree(paths_of(everything, parents, ranks))
-        by_path = {tuple(p): i for p, i in zip(paths_of(everything, parents, ranks), everything)}
-        order = [by_path[p] for p in tree.paths[1:]]
+        tree, order = self._tree_of(list(range(len(toks))), parents, ranks)
         self._predicted = sum(math.exp(x) for x in scores)
         self._predicted_rank = [sum(math.exp(x) for x, j in zip(scores, ranks) if j == r) for r in range(k)]
         return [[root] + [toks[i] for i in order]], [[None] + [laws[i] for i in order]], tree
 
+    def _tree_of(self, chosen: list[int], parents: list[int], ranks: list[int]) -> tuple[TreeBuffers, list[int]]:
+        """The tree of the chosen candidates, and the candidate behind each of its non-root nodes
+        (build_tree orders nodes by (depth, path), not by candidate)."""
+        if not chosen:
+            return self.plain, []
+        paths = paths_of(chosen, parents, ranks)
+        tree = build_tree(paths)
+        by_path = {tuple(p): i for p, i in zip(paths, chosen)}
+        return tree, [by_path[p] for p in tree.paths[1:]]
+
+    @staticmethod
+    def _ratio(sums: list[float], floor: float) -> float:
+        accepted, predicted = sums
+        return min(2.0, max(floor, accepted / predicted))
+
     def _calib_ratio(self) -> float:
-        accepted, predicted = self._calib
-        return min(2.0, max(0.2, accepted / predicted))
+        return self._ratio(self._calib, 0.2)
 
     def _rank_ratio(self, rank: int) -> float:
-        if rank >= len(self._calib_rank):
-            return 1.0
-        accepted, predicted = self._calib_rank[rank]
-        return min(2.0, max(0.05, accepted / predicted))
+        return self._ratio(self._calib_rank[rank], 0.05) if rank < len(self._calib_rank) else 1.0
 
     def _calibrate(self, tree: TreeBuffers, path: list[int]) -> None:
         """Track how the head's cumulative confidence relates to what the target really accepts

@@ -176,6 +176,12 @@ class EagleDraftHead(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
+    def to_target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """(R, draft vocab) probabilities -> (R, target vocab), zero outside the draft vocabulary."""
+        if self.d2t is None:
+            return q
+        return torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device).index_copy_(1, self.d2t, q)
+
     # -- save / load ----------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
         target_cfg = self.layer_config.to_dict()
