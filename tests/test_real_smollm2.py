@@ -137,7 +137,8 @@ def test_int4_target_greedy_equals_its_own_vanilla():
 
 def test_sampling_law_real_model(smol):
     """Statistical check on the real model and shipped head: the first three tokens sampled with
-    EAGLE (temperature 1, top-k 3) follow the target's exact law, enumerated with 13 forwards.
+    EAGLE (temperature 1, top-k 3), with the paper tree and with the sampled auto tree, follow the
+    target's exact law, enumerated with 13 forwards.
     The head proposes from its own full distribution, so many drafts fall outside the target's
     top 3 and must always be rejected."""
     from scipy.stats import chisquare
@@ -161,17 +162,27 @@ def test_sampling_law_real_model(smol):
                 p3 = target_probs(out3[j], sp)
                 for c in p3.nonzero().flatten().tolist():
                     law[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-    eng = Engine(model, head, tree="paper")
+    from eaglespec.costmodel import CostProfile
+
+    sizes = [1, 2, 4, 8, 16, 32, 64]  # a CPU-like curve, so that the auto tree's size varies
+    costs = CostProfile(sizes, [0.07 * (1 + 0.04 * (n - 1)) for n in sizes], 0.012, 256, {})
     n = 240
-    counts = dict.fromkeys(law, 0)
-    for s in range(n):
-        t = tuple(eng.generate(ids, 3, sampling=sp, seed=s).token_ids)
-        assert t in counts, t  # never a token outside the target's top 3
-        counts[t] += 1
     keys = sorted(law, key=lambda k: -law[k])
     big = [k for k in keys if law[k] * n >= 5]
     small = [k for k in keys if law[k] * n < 5]
-    f_obs = [counts[k] for k in big] + ([sum(counts[k] for k in small)] if small else [])
-    f_exp = [law[k] * n for k in big] + ([sum(law[k] for k in small) * n] if small else [])
-    f_exp = [e * n / sum(f_exp) for e in f_exp]  # float32 probabilities: renormalise exactly
-    assert chisquare(f_obs, f_exp).pvalue > 1e-3
+    # the paper tree drafts static sampled children; auto grows a sampled dynamic tree (_grow_sampled)
+    for tree in ("paper", "auto"):
+        eng = Engine(model, head, tree=tree, costs=costs)
+        counts = dict.fromkeys(law, 0)
+        multi = 0
+        for s in range(n):
+            out = eng.generate(ids, 3, sampling=sp, seed=s)
+            t = tuple(out.token_ids)
+            assert t in counts, t  # never a token outside the target's top 3
+            counts[t] += 1
+            multi += max(out.stats.accept_lengths, default=1) > 1
+        assert multi > n // 10, tree  # drafts were accepted: the tree, not only the bonus token, was tested
+        f_obs = [counts[k] for k in big] + ([sum(counts[k] for k in small)] if small else [])
+        f_exp = [law[k] * n for k in big] + ([sum(law[k] for k in small) * n] if small else [])
+        f_exp = [e * n / sum(f_exp) for e in f_exp]  # float32 probabilities: renormalise exactly
+        assert chisquare(f_obs, f_exp).pvalue > 1e-3, tree

@@ -228,3 +228,53 @@ def test_interrupted_extract_leaves_a_true_manifest(tiny_features, tmp_path, mon
     manifest = json.loads((tmp_path / "feats" / "manifest.json").read_text())
     on_disk = sorted(p.name for p in (tmp_path / "feats" / "train").glob("*.safetensors"))
     assert on_disk and [s["file"].split("/")[-1] for s in manifest["train"]["shards"]] == on_disk
+
+
+def test_pooled_feature_folders(tiny_features, tmp_path):
+    """--features a,b trains on both train splits; the held-out split is the first folder's."""
+    from eaglespec.train.trainer import load_split
+
+    d = tiny_features / "feats"
+    one, two = load_split(d / "train"), load_split(d / "train", d / "train")
+    assert len(two.ids) == 2 * len(one.ids) and torch.equal(two.token_counts, 2 * one.token_counts)
+    st = train(TrainConfig(features=f"{d},{d}", out=str(tmp_path / "o"), model=str(tiny_features / "model"),
+                           max_steps=1, draft_vocab=0, eval_conversations=1, batch_tokens=128))
+    assert st["step"] == 1
+    with pytest.raises(EaglespecError, match="no feature shards"):
+        train(TrainConfig(features=f"{d},{tmp_path}", out=str(tmp_path / "p"), model=str(tiny_features / "model")))
+
+
+def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features, tmp_path):
+    from transformers import AutoTokenizer
+
+    from eaglespec.engine import Engine
+    from eaglespec.models import load_target
+    from eaglespec.train.data import load_conversations
+    from eaglespec.train.regenerate import RegenerateConfig, regenerate
+
+    root = tiny_features
+    out = tmp_path / "self.jsonl"
+    cfg = RegenerateConfig(model=str(root / "model"), out=str(out), data=str(root / "convs.jsonl"),
+                           max_new_tokens=6, max_conversations=7, batch_size=3, heldout=4)
+    rep = regenerate(cfg)
+    assert rep["answered"] == 7 and rep["already_done"] == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in recs) == list(range(7))
+    model, _ = load_target(str(root / "model"))
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    eng = Engine(model, None)
+    special = {1}  # EOS ends the answer and is not part of its text
+    for r in recs[:3]:  # the answer is the target's own greedy continuation of the first user turn
+        prompt = [{"role": "user", "content": r["conversations"][0]["value"]}]
+        ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        want = eng.generate(ids, 6, method="vanilla", eos_token_ids=[1]).token_ids
+        assert r["conversations"][1]["value"] == tok.decode([t for t in want if t not in special])
+    # the output is readable training data
+    assert len(load_conversations(str(out))) == sum(1 for r in recs if r["conversations"][1]["value"].strip())
+    # interrupted mid-line: the cut record is dropped and answered again, nothing twice
+    text = out.read_text()
+    out.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])
+    rep = regenerate(cfg)
+    assert rep["answered"] == 1 and rep["already_done"] == 6
+    again = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in again) == list(range(7)) and again[-1] == recs[-1]

@@ -76,20 +76,33 @@ def _add_extract(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_fields(p: argparse.ArgumentParser, defaults: object, skip: tuple[str, ...]) -> None:
+    """One --option per field of a config dataclass, with its default."""
+    from dataclasses import fields
+
+    for f in fields(defaults):  # type: ignore[arg-type]
+        if f.name not in skip:
+            val = getattr(defaults, f.name)
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(val), default=val)
+
+
+def _add_regenerate(sub: argparse._SubParsersAction) -> None:
+    from .train.regenerate import RegenerateConfig
+
+    p = sub.add_parser("regenerate", help="self-distillation data: the target answers the training prompts (resumable)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--out", required=True, help="FILE.jsonl (appended; a rerun skips what is done)")
+    _add_fields(p, RegenerateConfig(model="", out=""), ("model", "out"))
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     from .train.trainer import TrainConfig
 
     p = sub.add_parser("train", help="train a draft head on extracted features (resumes by default)")
-    p.add_argument("--features", required=True)
+    p.add_argument("--features", required=True, help="an extract folder, or several joined by commas "
+                   "(their train splits are pooled; the held-out split is the first folder's)")
     p.add_argument("--out", required=True)
-    defaults = TrainConfig(features="", out="")
-    from dataclasses import fields
-
-    for f in fields(TrainConfig):
-        if f.name in ("features", "out"):
-            continue
-        name, val = f.name, getattr(defaults, f.name)
-        p.add_argument("--" + name.replace("_", "-"), type=type(val), default=val)
+    _add_fields(p, TrainConfig(features="", out=""), ("features", "out"))
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
 
 
@@ -119,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eaglespec", description="Lossless EAGLE speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_regenerate(sub)
     _add_extract(sub)
     _add_train(sub)
     _add_bench(sub)
@@ -181,6 +195,15 @@ def cmd_extract(a: argparse.Namespace) -> int:
                                 max_tokens=a.max_tokens, heldout=a.heldout, seed=a.seed))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "shards"} if isinstance(v, dict) else v
                       for k, v in rep.items()}))
+    return 0
+
+
+def cmd_regenerate(a: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from .train.regenerate import RegenerateConfig, regenerate
+
+    print(json.dumps(regenerate(RegenerateConfig(**{f.name: getattr(a, f.name) for f in fields(RegenerateConfig)}))))
     return 0
 
 
@@ -296,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return {"generate": cmd_generate, "extract": cmd_extract, "train": cmd_train,
+        return {"generate": cmd_generate, "regenerate": cmd_regenerate, "extract": cmd_extract, "train": cmd_train,
                 "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
     except (EaglespecError, ValueError) as e:
         print(f"eaglespec: error: {e}", file=sys.stderr)

@@ -33,7 +33,7 @@ from .extract import read_shard
 
 @dataclass
 class TrainConfig:
-    features: str  # an `eaglespec extract` output folder
+    features: str  # an `eaglespec extract` output folder, or several joined by commas (held-out: the first's)
     out: str  # run folder: checkpoints, log, curves, final head
     model: str = "smollm2-135m-instruct"
     epochs: int = 2
@@ -65,10 +65,14 @@ class Sequences:
     token_counts: torch.Tensor | None = None
 
 
-def load_split(folder: Path) -> Sequences:
-    shards = sorted(folder.glob("shard_*.safetensors"))
-    if not shards:
-        raise EaglespecError(f"{folder}: no feature shards (run `eaglespec extract` first)")
+def load_split(*folders: Path) -> Sequences:
+    """Every shard of the given split folders, in order."""
+    shards = []
+    for folder in folders:
+        found = sorted(folder.glob("shard_*.safetensors"))
+        if not found:
+            raise EaglespecError(f"{folder}: no feature shards (run `eaglespec extract` first)")
+        shards += found
     seqs = Sequences()
     for path in shards:
         t = read_shard(path)
@@ -218,14 +222,15 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     acc = Accelerator(cpu=cfg.device == "cpu")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    feats_dir = Path(cfg.features)
+    feats_dirs = [Path(f) for f in cfg.features.split(",") if f]
     target, tok = load_target(cfg.model, device=str(acc.device))
     for p in target.parameters():
         p.requires_grad_(False)
-    train_set = load_split(feats_dir / "train")
-    held = load_split(feats_dir / "heldout")
-    if train_set.feats[0].shape[-1] != target.config.hidden_size:
-        raise EaglespecError(f"features in {feats_dir} have hidden size {train_set.feats[0].shape[-1]}, "
+    train_set = load_split(*(d / "train" for d in feats_dirs))
+    held = load_split(feats_dirs[0] / "heldout")
+    widths = {f.shape[-1] for f in train_set.feats}
+    if widths != {target.config.hidden_size}:
+        raise EaglespecError(f"features in {cfg.features} have hidden size {sorted(widths)}, "
                              f"the target {cfg.model} has {target.config.hidden_size}")
 
     ck = _latest(out) if resume else None
