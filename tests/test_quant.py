@@ -105,6 +105,36 @@ def test_exact_attention_rows_equal_single_row_calls_where_sdpa_does_not():
     torch.testing.assert_close(fused, exact)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gqa_sdpa_equals_transformers_sdpa_bitwise(family):
+    """"eaglespec_sdpa" skips transformers' K/V copy for grouped heads; the outputs must not move by
+    a single bit: a ragged batch (padding mask), a tree mask over a cache, plain causal prefill."""
+    from eaglespec.attention import GQA_NAME, register
+    from eaglespec.cache import KVCache
+    from eaglespec.tree import float_mask, prefix_tree_mask
+
+    register()
+    ref = tiny_target(family, seed=4)
+    ours = tiny_target(family, seed=4)
+    ours.set_attn_implementation(GQA_NAME)
+    assert ours.config._attn_implementation == GQA_NAME
+    assert ref.config.num_key_value_heads < ref.config.num_attention_heads  # grouped: the copy is real
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8, 11], [7, 3, 21, 0, 0, 0, 0]])
+    att = torch.tensor([[1] * 7, [1, 1, 1, 0, 0, 0, 0]])
+    allowed = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    outs = []
+    with torch.no_grad():
+        for m in (ref, ours):
+            o = [m(ids, attention_mask=att).logits, m(ids[:1]).logits]
+            cache = KVCache(32)
+            m.get_decoder()(input_ids=ids[:1], past_key_values=cache, use_cache=True)
+            mask = float_mask(prefix_tree_mask(allowed, 7), torch.float32)
+            o.append(m(torch.tensor([[40, 41, 42]]), attention_mask=mask, position_ids=torch.tensor([[7, 8, 8]]),
+                       past_key_values=cache, use_cache=True).logits)
+            outs.append(o)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @needs_int4
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_int4_tree_rows_equal_one_by_one_decoding_bitwise(family):

@@ -11,15 +11,22 @@ one-row SDPA call over exactly the keys it may see, gathered in order (prefix, t
 the very call vanilla decoding makes at that position. Long blocks (prompt prefill) take the
 usual batched kernel; vanilla and EAGLE prefill the same prompt, so they still agree.
 Registered with transformers as attn_implementation="eaglespec_exact".
+
+Also here: "eaglespec_sdpa", transformers' SDPA without its K/V copy. Whenever a mask is given
+(tree verification, ragged batches, every draft step of the head), transformers repeats each
+key/value head for its query group (`repeat_kv`) before calling SDPA, copying the whole KV cache
+on every layer of every step; on CPU that copy took as long as the attention itself (batched
+decoding: 44 % of the time). SDPA's own `enable_gqa` reads the grouped cache in place and gives
+bitwise the same result. `load_target` uses it on CPU.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "eaglespec_exact"
+GQA_NAME = "eaglespec_sdpa"
 MAX_EXACT_ROWS = 64  # query blocks up to this size take the row-by-row path
 
 _plan_memo: tuple[object, tuple, list] | None = None  # (mask, key shape, plan): one plan per forward
@@ -48,8 +55,7 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     """transformers attention interface: query (B, H, M, d), key/value (B, Hkv, L, d) -> (B, M, H, d)."""
     b, h, m, d = query.shape
     if m > MAX_EXACT_ROWS:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
     global _plan_memo
     length = key.shape[2]
     shape = (b, m, length)
@@ -70,11 +76,26 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return out, None
 
 
+def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, with grouped K/V read in place (no `repeat_kv` copy)."""
+    if attention_mask is not None and attention_mask.ndim == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    if is_causal is None:
+        is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=is_causal, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
 def register() -> str:
-    """Make attn_implementation="eaglespec_exact" known to transformers (idempotent)."""
+    """Make attn_implementation "eaglespec_exact" and "eaglespec_sdpa" known to transformers
+    (idempotent); returns the first."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, exact_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    for name, fn in ((NAME, exact_attention), (GQA_NAME, gqa_sdpa_attention)):
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, sdpa_mask)
     return NAME

@@ -34,8 +34,10 @@ def _layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
     cfg.num_hidden_layers = 1
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = [cfg.layer_types[0]]
-    if getattr(cfg, "_attn_implementation", None) in (None, "flash_attention_2", "flex_attention", "eaglespec_exact"):
+    if getattr(cfg, "_attn_implementation", None) in (None, "flash_attention_2", "flex_attention"):
         cfg._attn_implementation = "sdpa"
+    elif cfg._attn_implementation == "eaglespec_exact":  # row-exact attention is for the target's verification
+        cfg._attn_implementation = "eaglespec_sdpa"
     return cfg
 
 
@@ -216,7 +218,7 @@ class EagleDraftHead(nn.Module):
         layer_cfg = AutoConfig.for_model(model_type, **layer_cfg_dict)
         impl = "sdpa" if target is None else target.config._attn_implementation
         # row-exact attention is for the target's verification; a draft does not need it
-        layer_cfg._attn_implementation = "sdpa" if impl == "eaglespec_exact" else impl
+        layer_cfg._attn_implementation = "eaglespec_sdpa" if impl == "eaglespec_exact" else impl
         weights = path / "model.safetensors"
         try:
             state = load_file(str(weights))

@@ -148,10 +148,13 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     weights pre-packed for oneDNN, much faster on CPU for more than one token (see `eaglespec.quant`)."""
     if quantize not in (None, "none", "int8", "int4"):
         raise EaglespecError(f"quantize must be 'int8', 'int4' or none, got {quantize!r}")
-    if attn_implementation == "exact":  # row-exact attention (see `eaglespec.attention`); int4 turns it on itself
-        from .attention import register
+    if attn_implementation == "exact" or (attn_implementation == "sdpa" and device == "cpu"):
+        from .attention import GQA_NAME, register
 
-        attn_implementation = register()
+        # row-exact attention (see `eaglespec.attention`; int4 turns it on itself), or on CPU SDPA
+        # without transformers' copy of the KV cache per masked call (same results, bit for bit)
+        exact = register()
+        attn_implementation = exact if attn_implementation == "exact" else GQA_NAME
     src = resolve(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
