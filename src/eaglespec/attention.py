@@ -33,7 +33,8 @@ _plan_memo: tuple[object, tuple, list] | None = None  # (mask, key shape, plan):
 
 
 def _plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> list[tuple[int, int, int, torch.Tensor | None]]:
-    """Per (batch row, query row): (b, i, n, idx): attend to keys[:n] if idx is None, else keys[idx]."""
+    """Per (batch row, query row): (b, i, n, tail). tail None: attend to keys[:n]. Otherwise the row
+    sees keys[:n] followed by keys[tail] (a tree node: its prefix, then its ancestors' slots)."""
     if mask is None:  # causal over the cache: row i sees everything up to its own position
         return [(r, i, length - m + i + 1, None) for r in range(b) for i in range(m)]
     allowed = mask[:, 0, :, :length] if mask.dtype == torch.bool else mask[:, 0, :, :length] > torch.finfo(mask.dtype).min / 2
@@ -44,8 +45,12 @@ def _plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> list[tuple[
     plan = []
     for r in range(b):
         for i in range(m):
-            idx = None if prefix_like[r][i] else allowed[r, i].nonzero().squeeze(-1)
-            plan.append((r, i, counts[r][i], idx))
+            if prefix_like[r][i]:
+                plan.append((r, i, counts[r][i], None))
+                continue
+            idx = allowed[r, i].nonzero().squeeze(-1)
+            run = int((idx == torch.arange(idx.numel(), device=idx.device)).cumprod(0).sum())
+            plan.append((r, i, run, idx[run:]))
     return plan
 
 
@@ -66,13 +71,22 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         _plan_memo = (attention_mask, shape, plan)  # holding the mask keeps its id unique
     gqa = key.shape[1] != h
     out = query.new_empty(b, m, h, value.shape[-1])
-    for r, i, n, idx in plan:
-        if idx is None:
+    for r, i, n, tail in plan:
+        if tail is None:
             k, v = key[r:r + 1, :, :n], value[r:r + 1, :, :n]
-        else:
-            k, v = key[r:r + 1].index_select(2, idx), value[r:r + 1].index_select(2, idx)
-        o = F.scaled_dot_product_attention(query[r:r + 1, :, i:i + 1], k, v, scale=scaling, enable_gqa=gqa)
-        out[r, i] = o[0, :, 0]
+            out[r, i] = F.scaled_dot_product_attention(query[r:r + 1, :, i:i + 1], k, v, scale=scaling,
+                                                       enable_gqa=gqa)[0, :, 0]
+            continue
+        # A tree node: move its few ancestors' keys right after its prefix, in place, attend over
+        # the contiguous keys[:n + t], and put the slots back; gathering prefix + ancestors into a
+        # new tensor instead copied the whole prefix for every node on every layer.
+        t = tail.numel()
+        k_anc, v_anc = key[r, :, tail], value[r, :, tail]  # copies (advanced indexing): overlap-safe
+        k_old, v_old = key[r, :, n:n + t].clone(), value[r, :, n:n + t].clone()
+        key[r, :, n:n + t], value[r, :, n:n + t] = k_anc, v_anc
+        out[r, i] = F.scaled_dot_product_attention(query[r:r + 1, :, i:i + 1], key[r:r + 1, :, :n + t],
+                                                   value[r:r + 1, :, :n + t], scale=scaling, enable_gqa=gqa)[0, :, 0]
+        key[r, :, n:n + t], value[r, :, n:n + t] = k_old, v_old
     return out, None
 
 
