@@ -56,6 +56,8 @@ def _done_ids(path: Path) -> set[int]:
 
 @torch.inference_mode()
 def regenerate(cfg: RegenerateConfig) -> dict:
+    """Answer the first user turn of the first `max_conversations` training-split conversations with
+    the target's greedy decoding (vanilla, batched), appending to `cfg.out`; returns counts and speed."""
     from ..engine import Engine
     from ..models import eos_ids, load_target
 
