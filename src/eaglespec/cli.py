@@ -86,6 +86,13 @@ def _add_fields(p: argparse.ArgumentParser, defaults: object, skip: tuple[str, .
             p.add_argument("--" + f.name.replace("_", "-"), type=type(val), default=val)
 
 
+def _config_from(a: argparse.Namespace, cls: type):
+    """The config dataclass `cls` filled from parsed arguments (the inverse of `_add_fields`)."""
+    from dataclasses import fields
+
+    return cls(**{f.name: getattr(a, f.name) for f in fields(cls)})
+
+
 def _add_regenerate(sub: argparse._SubParsersAction) -> None:
     from .train.regenerate import RegenerateConfig
 
@@ -199,20 +206,16 @@ def cmd_extract(a: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(a: argparse.Namespace) -> int:
-    from dataclasses import fields
-
     from .train.regenerate import RegenerateConfig, regenerate
 
-    print(json.dumps(regenerate(RegenerateConfig(**{f.name: getattr(a, f.name) for f in fields(RegenerateConfig)}))))
+    print(json.dumps(regenerate(_config_from(a, RegenerateConfig))))
     return 0
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from dataclasses import fields
-
     from .train.trainer import TrainConfig, train
 
-    cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig)})
+    cfg = _config_from(a, TrainConfig)
     st = train(cfg, resume=not a.no_resume)
     print(json.dumps({"steps": st["step"], "tokens_seen": st["tokens_seen"], "train_time_s": st["train_time_s"],
                       "evals": st["evals"], "head": str(Path(a.out) / "head")}))

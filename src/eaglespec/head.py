@@ -36,9 +36,14 @@ def _layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
         cfg.layer_types = [cfg.layer_types[0]]
     if getattr(cfg, "_attn_implementation", None) in (None, "flash_attention_2", "flex_attention"):
         cfg._attn_implementation = "sdpa"
-    elif cfg._attn_implementation == "eaglespec_exact":  # row-exact attention is for the target's verification
-        cfg._attn_implementation = "eaglespec_sdpa"
+    else:
+        cfg._attn_implementation = _draft_attention(cfg._attn_implementation)
     return cfg
+
+
+def _draft_attention(target_impl: str) -> str:
+    # row-exact attention is for the target's verification; a draft does not need it
+    return "eaglespec_sdpa" if target_impl == "eaglespec_exact" else target_impl
 
 
 def _family_classes(cfg: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Module]]:
@@ -216,9 +221,7 @@ class EagleDraftHead(nn.Module):
         layer_cfg_dict = dict(cfg["layer_config"])
         model_type = layer_cfg_dict.pop("model_type", cfg["model_type"])
         layer_cfg = AutoConfig.for_model(model_type, **layer_cfg_dict)
-        impl = "sdpa" if target is None else target.config._attn_implementation
-        # row-exact attention is for the target's verification; a draft does not need it
-        layer_cfg._attn_implementation = "eaglespec_sdpa" if impl == "eaglespec_exact" else impl
+        layer_cfg._attn_implementation = "sdpa" if target is None else _draft_attention(target.config._attn_implementation)
         weights = path / "model.safetensors"
         try:
             state = load_file(str(weights))
