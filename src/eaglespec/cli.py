@@ -23,6 +23,8 @@ def default_head(model: str) -> str | None:
 
 PACK_HELP = ("fp32 weights pre-packed for oneDNN (CPU): the same model, much faster when several tokens go "
              "through a layer (verification); every method uses it")
+COMPILE_HELP = ("torch.compile the target's decoder (every method uses it): faster steps after a one-off "
+                "compilation of a few minutes per process on a small CPU")
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
               "model; int4 is the fast one on CPU)")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
@@ -38,6 +40,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action="store_true", help=PACK_HELP)
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--out", default=None, help="also write cost_curve.json / .png here")
     p.add_argument("--compare", nargs="+", metavar="LABEL=JSON", default=None,
                    help="measure nothing: overlay saved cost_curve.json files in one PNG (--out DIR)")
@@ -62,6 +65,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action="store_true", help=PACK_HELP)
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -132,6 +136,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="10 MT-bench first turns, 128 tokens, T=0, vanilla/eagle/hf")
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action="store_true", help=PACK_HELP)
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--out", required=True)
 
 
@@ -162,7 +167,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise EaglespecError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise EaglespecError("--device cuda asked for, but CUDA is not available")
-    model, tok = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed)
+    model, tok = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed, compile=a.compile)
     head = None
     if a.method == "eagle":
         head_path = a.head or default_head(a.model)
@@ -232,7 +237,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
         raise EaglespecError("--context and --repeats must be >= 1")
     if a.compare:
         return _compare_profiles(a.compare, a.out)
-    model, _ = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed)
+    model, _ = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed, compile=a.compile)
     head_path = a.head or default_head(a.model)
     head = EagleDraftHead.from_pretrained(head_path, model) if head_path else None
     eng = Engine(model, head, tree="auto")
@@ -304,7 +309,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     cfg = BenchConfig(model=a.model, head=head, datasets=tuple(a.dataset.split(",")), limit=a.limit,
                       temperatures=temps, max_new_tokens=a.max_new_tokens, methods=methods, tree=a.tree,
                       chain=a.chain, seed=a.seed, out=a.out, first_turn_only=a.first_turn_only,
-                      batch_sizes=batch_sizes, quantize=a.quantize, packed=a.packed)
+                      batch_sizes=batch_sizes, quantize=a.quantize, packed=a.packed, compile=a.compile)
     result = run_bench(cfg)
     print(open(Path(a.out) / "report.md").read())
     # our methods must equal vanilla; a peer that does not (transformers' PLD in fp32 near-ties) is reported only

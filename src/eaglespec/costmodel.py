@@ -85,12 +85,15 @@ def machine_info(engine: "Engine") -> dict:
     dev = str(engine.device)
     if engine.device.type == "cuda":
         cpu = torch.cuda.get_device_name(engine.device)
-    return {"model": getattr(cfg, "_name_or_path", "") or cfg.model_type, "hidden": cfg.hidden_size,
+    info = {"model": getattr(cfg, "_name_or_path", "") or cfg.model_type, "hidden": cfg.hidden_size,
             "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size, "dtype": str(engine.dtype), "device": dev,
             "quantization": getattr(cfg, "eaglespec_quantization", None),
             "kernels": getattr(cfg, "eaglespec_kernels", None),
             "processor": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "head_vocab": engine.head.draft_vocab_size if engine.head is not None else 0}
+    if getattr(cfg, "eaglespec_compiled", False):  # only when set, so eager profiles keep their cache key
+        info["compiled"] = True
+    return info
 
 
 def profile_path(engine: "Engine") -> Path:

@@ -140,12 +140,13 @@ def eos_ids(tok: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
 
 
 def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                attn_implementation: str = "sdpa", quantize: str | None = None, packed: bool = False
-                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+                attn_implementation: str = "sdpa", quantize: str | None = None, packed: bool = False,
+                compile: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model + tokenizer, ready for `Engine`. Greedy decoding settings of its generation_config
     (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
     ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``packed=True``: fp32 linear layers with
-    weights pre-packed for oneDNN, much faster on CPU for more than one token (see `eaglespec.quant`)."""
+    weights pre-packed for oneDNN, much faster on CPU for more than one token (see `eaglespec.quant`);
+    ``compile=True``: the decoder goes through ``torch.compile`` (see `compile_decoder`)."""
     if quantize not in (None, "none", "int8", "int4"):
         raise EaglespecError(f"quantize must be 'int8', 'int4' or none, got {quantize!r}")
     if attn_implementation == "exact" or (attn_implementation == "sdpa" and device == "cpu"):
@@ -155,6 +156,9 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         # without transformers' copy of the KV cache per masked call (same results, bit for bit)
         exact = register()
         attn_implementation = exact if attn_implementation == "exact" else GQA_NAME
+    if compile and (packed or quantize in ("int8", "int4")):
+        # inductor cannot lower oneDNN pre-packed or int4-packed weights; it packs plain fp32 itself
+        raise EaglespecError("compile works on the plain fp32 target: drop --packed / --quantize")
     src = resolve(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
@@ -172,4 +176,17 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         from .quant import pack_target
 
         pack_target(model)
+    if compile:
+        compile_decoder(model)
     return model, tok
+
+
+def compile_decoder(model: PreTrainedModel) -> PreTrainedModel:
+    """``torch.compile`` the decoder stack in place (the LM head stays eager: the engine calls it on
+    chosen rows only). Dynamic shapes, so one graph serves every cache length; inductor still builds
+    a few (prefill, one-token step, masked tree step), each once per process, minutes on a small CPU.
+    Compiled kernels round differently from eager ones, so a compiled target is its own vanilla:
+    compare EAGLE against vanilla on the same compiled model."""
+    model.get_decoder().compile(dynamic=True)
+    model.config.eaglespec_compiled = True
+    return model

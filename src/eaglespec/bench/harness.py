@@ -65,6 +65,7 @@ class BenchConfig:
     first_turn_only: bool = False
     quantize: str = "none"  # "int8" / "int4": every method runs the same weight-only quantized target
     packed: bool = False  # every method runs the same target with oneDNN pre-packed weights
+    compile: bool = False  # every method runs the same torch.compile'd target
     batch_sizes: tuple[int, ...] = (1,)  # > 1: also the batch throughput table (vanilla vs eagle)
     extra: dict = field(default_factory=dict)
 
@@ -179,7 +180,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from ..head import EagleDraftHead
     from ..models import load_target
 
-    model, tok = load_target(cfg.model, quantize=cfg.quantize, packed=cfg.packed)
+    model, tok = load_target(cfg.model, quantize=cfg.quantize, packed=cfg.packed, compile=cfg.compile)
     head = EagleDraftHead.from_pretrained(cfg.head, model) if cfg.head else None
     runner = Runner(model, tok, head, cfg)
     out = Path(cfg.out)
@@ -358,7 +359,7 @@ def report_markdown(result: dict) -> str:
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{cfg['head']}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
-             f"{cfg.get('quantize') if cfg.get('quantize') in ('int8', 'int4') else 'fp32'}{' (oneDNN pre-packed)' if cfg.get('packed') else ''}",
+             f"{cfg.get('quantize') if cfg.get('quantize') in ('int8', 'int4') else 'fp32'}{' (oneDNN pre-packed)' if cfg.get('packed') else ''}{', torch.compile' if cfg.get('compile') else ''}",
              f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
              f"transformers {mach['transformers']}; {mach['date']}", ""]
     for (ds, temp) in sorted({(r["dataset"], r["temperature"]) for r in result["summary"]}):

@@ -147,12 +147,15 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
     head = getattr(head, "module", head)  # unwrapped (DDP) for the frozen LM head
     denom = m.sum().clamp_min(1.0)
     reg = (F.smooth_l1_loss(pred, target_f, reduction="none").mean(-1) * m).sum() / denom
+    # LM-head logits only where the loss is (assistant tokens): the two LM-head products dominate a
+    # step on CPU, and prompts and padding are a quarter or more of the positions.
+    keep = mask[:, 1:].bool()
     with torch.no_grad():
-        p_target = head.logits(target_f).float().softmax(-1)
-    logp = head.logits(pred).float().log_softmax(-1)
-    ce = (-(p_target * logp).sum(-1) * m).sum() / denom
+        p_target = head.logits(target_f[keep]).float().softmax(-1)
+    logp = head.logits(pred[keep]).float().log_softmax(-1)
+    ce = -(p_target * logp).sum() / denom
     with torch.no_grad():
-        acc = ((logp.argmax(-1) == p_target.argmax(-1)).float() * m).sum() / denom
+        acc = (logp.argmax(-1) == p_target.argmax(-1)).float().sum() / denom
     reg_d, ce_d = reg.detach(), ce.detach()
     return reg + ce_weight * ce, {"reg": reg_d.item(), "ce": ce_d.item(), "acc": acc.item(), "tokens": int(m.sum())}
 
