@@ -3,7 +3,7 @@
 # with STAGES="tau"). Run on an idle machine: other CPU load distorts every ratio.
 set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
-STAGES=${STAGES:-"profile ablation ablation-int4 main int4 int4-t1 batch tau"}
+STAGES=${STAGES:-"profile ablation ablation-int4 compile main int4 int4-t1 batch tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
 TREE=${TREE:-auto}     # the eagle row of the main table: the best tree of the ablation on this CPU
 TREE4=${TREE4:-auto}    # the same for the int4 target (its own ablation)
@@ -28,6 +28,9 @@ for stage in $STAGES; do
     main)      # all four datasets, T=0 and T=1, every peer
       eaglespec bench --packed --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only --temperature 0,1 --tree "$TREE" \
         --methods vanilla,hf,pld,eagle,eagle@chain:1,eagle@paper,llamacpp,llamacpp-pld --out "$OUT/main" ;;
+    compile)   # the torch.compile'd fp32 target (its own vanilla) on the ablation's questions; cold compile included once
+      eaglespec bench --compile --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree auto \
+        --methods vanilla,eagle,eagle@chain:1 --out "$OUT/compile" ;;
     batch)     # paper Table 7: throughput at batch sizes 1, 2, 4
       eaglespec bench --packed --dataset mt_bench --first-turn-only --limit 4 --temperature 0 --tree "$BATCH_TREE" \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch" ;;
