@@ -23,8 +23,8 @@ def default_head(model: str) -> str | None:
 
 PACK_HELP = ("fp32 weights pre-packed for oneDNN (CPU): the same model, much faster when several tokens go "
              "through a layer (verification); every method uses it")
-COMPILE_HELP = ("torch.compile the target's decoder (every method uses it): faster steps after a one-off "
-                "compilation of a few minutes per process on a small CPU")
+COMPILE_HELP = ("torch.compile the plain fp32 target's decoder (every method uses it; minutes of compilation "
+                "per process). Slower than --packed on a 2-core CPU (BENCHMARKS.md section 7); may pay elsewhere")
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
               "model; int4 is the fast one on CPU)")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
