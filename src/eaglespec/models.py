@@ -157,7 +157,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         exact = register()
         attn_implementation = exact if attn_implementation == "exact" else GQA_NAME
     if compile and (packed or quantize in ("int8", "int4")):
-        # inductor cannot lower oneDNN pre-packed or int4-packed weights; it packs plain fp32 itself
+        # inductor cannot lower oneDNN pre-packed or int4-packed weights
         raise EaglespecError("compile works on the plain fp32 target: drop --packed / --quantize")
     src = resolve(name_or_path)
     try:

@@ -141,7 +141,8 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
         inp_f = inp_f + (u * 2 - 1) * noise
     inp_t = ids[:, 1:]
     target_f = feats[:, 1:]
-    m = mask[:, 1:].float()  # f_{j+1} sits on an assistant token
+    keep = mask[:, 1:].bool()  # f_{j+1} sits on an assistant token
+    m = keep.float()
     pos = torch.arange(inp_t.shape[1], device=ids.device).expand_as(inp_t)
     pred = head(inp_f, inp_t, pos)
     head = getattr(head, "module", head)  # unwrapped (DDP) for the frozen LM head
@@ -149,7 +150,6 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
     reg = (F.smooth_l1_loss(pred, target_f, reduction="none").mean(-1) * m).sum() / denom
     # LM-head logits only where the loss is (assistant tokens): the two LM-head products dominate a
     # step on CPU, and prompts and padding are a quarter or more of the positions.
-    keep = mask[:, 1:].bool()
     with torch.no_grad():
         p_target = head.logits(target_f[keep]).float().softmax(-1)
     logp = head.logits(pred[keep]).float().log_softmax(-1)
