@@ -12,7 +12,7 @@ from eaglespec.head import EagleDraftHead
 from eaglespec.train.data import render, stream_json_array, to_messages
 from eaglespec.train.extract import ExtractConfig, extract, read_shard
 from eaglespec.train.trainer import (Sequences, TrainConfig, draft_vocabulary, eagle_loss, train,
-                                     unroll_accuracy)
+                                     unroll_accuracy, unroll_anchors)
 
 from conftest import tiny_target
 
@@ -92,6 +92,36 @@ def test_unroll_step1_equals_plain_forward(head_and_batch):
     pred = head(feats[:1, :-1], ids[:1, 1:], torch.arange(6)[None])[0]
     want = (model.lm_head(pred).argmax(-1) == model.lm_head(feats[0, 1:]).argmax(-1)).float().mean()
     assert abs(acc - float(want)) < 1e-6
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_unrolled_loss_step2_is_the_drafting_chain(head_and_batch, fraction):
+    """Training-time test: step 2 at anchor j is what drafting computes (the real prefix up to j,
+    then the head's own f_hat_{j+1} with t_{j+2}), against f_{j+2}, weighted by the decay; with a
+    fraction < 1, only the sampled anchors' chains count."""
+    model, head, ids, feats, mask = head_and_batch
+    l1, _ = eagle_loss(head, ids, feats, mask, 0.0, 0.1)
+    l2, info = eagle_loss(head, ids, feats, mask, 0.0, 0.1, torch.Generator().manual_seed(3), unroll=2,
+                          unroll_decay=0.5, unroll_fraction=fraction)
+    chosen = set(unroll_anchors(6, fraction, torch.Generator().manual_seed(3)).tolist())
+    assert len(chosen) == (6 if fraction == 1.0 else 3)
+    regs, ces = [], []
+    for b in range(2):
+        for j in range(5):  # anchors with a step-2 target f_{j+2} inside the sequence
+            if not mask[b, j + 2] or j not in chosen:
+                continue
+            pos = torch.arange(j + 1)[None]
+            f1 = head(feats[b:b + 1, :j + 1], ids[b:b + 1, 1:j + 2], pos)[0, -1]
+            x = torch.cat([feats[b, :j + 1], f1[None]])[None]
+            f2 = head(x, ids[b:b + 1, 1:j + 3], torch.arange(j + 2)[None])[0, -1]
+            regs.append(F.smooth_l1_loss(f2, feats[b, j + 2]))
+            p = model.lm_head(feats[b, j + 2]).softmax(-1)
+            ces.append(-(p * model.lm_head(f2).log_softmax(-1)).sum())
+    want = 0.5 * (torch.stack(regs).mean() + 0.1 * torch.stack(ces).mean())
+    torch.testing.assert_close(l2 - l1, want)
+    assert "acc2" in info
+    l2.backward()  # gradients flow through both steps (no in-place cache writes)
+    assert head.fc.weight.grad is not None
 
 
 def test_draft_vocabulary_keeps_frequent_and_eos():

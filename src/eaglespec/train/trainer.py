@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from ..cache import KVCache
 from ..errors import CheckpointError, EaglespecError
@@ -54,6 +55,9 @@ class TrainConfig:
     device: str = "cpu"
     input_mode: str = "feature+shifted_token"
     init: str = ""  # a head folder to start from (weights and draft vocabulary), e.g. to train a shipped head further
+    unroll: int = 1  # training-time test: steps of the head fed its own predictions (1 = the paper)
+    unroll_decay: float = 0.8  # loss weight of step s is unroll_decay ** (s - 1)
+    unroll_fraction: float = 0.25  # share of anchors whose chains train at steps >= 2
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -133,31 +137,68 @@ def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int]) -> torc
 
 # -- the loss -------------------------------------------------------------------------------------------
 def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor, noise: float,
-               ce_weight: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
-    """ids, feats, mask: (B, T[, H]). The shift: input (f_j, t_{j+1}) -> prediction of f_{j+1}."""
+               ce_weight: float, generator: torch.Generator | None = None, unroll: int = 1,
+               unroll_decay: float = 1.0, unroll_fraction: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """ids, feats, mask: (B, T[, H]). The shift: input (f_j, t_{j+1}) -> prediction of f_{j+1}.
+
+    With `unroll` = k > 1 (training-time test, as in HASS / EAGLE-3): step s = 2..k feeds the head its
+    own step s-1 predictions, exactly as drafting does (anchor j sees the real prefix up to j and its
+    own chain), and adds that step's loss weighted `unroll_decay`^(s-1). Step 1 alone is the paper's
+    loss; the later steps train the head on the feature errors it will meet at inference. Chains are
+    independent, so steps >= 2 run on a random `unroll_fraction` of the anchors (`unroll_anchors`):
+    the LM head at every step is most of the cost.
+    """
     inp_f = feats[:, :-1]
     if noise > 0:
         u = torch.rand(inp_f.shape, generator=generator, device="cpu").to(inp_f.device)
         inp_f = inp_f + (u * 2 - 1) * noise
-    inp_t = ids[:, 1:]
-    target_f = feats[:, 1:]
+    B, T = inp_f.shape[:2]
     keep = mask[:, 1:].bool()  # f_{j+1} sits on an assistant token
-    m = keep.float()
-    pos = torch.arange(inp_t.shape[1], device=ids.device).expand_as(inp_t)
-    pred = head(inp_f, inp_t, pos)
-    head = getattr(head, "module", head)  # unwrapped (DDP) for the frozen LM head
-    denom = m.sum().clamp_min(1.0)
-    reg = (F.smooth_l1_loss(pred, target_f, reduction="none").mean(-1) * m).sum() / denom
-    # LM-head logits only where the loss is (assistant tokens): the two LM-head products dominate a
-    # step on CPU, and prompts and padding are a quarter or more of the positions.
+    core = getattr(head, "module", head)  # unwrapped (DDP) for the frozen LM head
+    # LM-head products only where the loss is (assistant tokens): they dominate a step on CPU, and
+    # prompts and padding are a quarter or more of the positions. Soft labels once, for every step.
     with torch.no_grad():
-        p_target = head.logits(target_f[keep]).float().softmax(-1)
-    logp = head.logits(pred[keep]).float().log_softmax(-1)
-    ce = -(p_target * logp).sum() / denom
-    with torch.no_grad():
-        acc = (logp.argmax(-1) == p_target.argmax(-1)).float().sum() / denom
-    reg_d, ce_d = reg.detach(), ce.detach()
-    return reg + ce_weight * ce, {"reg": reg_d.item(), "ce": ce_d.item(), "acc": acc.item(), "tokens": int(m.sum())}
+        p_target = core.logits(feats[:, 1:][keep]).float().softmax(-1)
+    row = torch.full((B, T), -1, dtype=torch.long, device=ids.device)
+    row[keep] = torch.arange(int(keep.sum()), device=ids.device)
+    anchors = torch.arange(T, device=ids.device)
+    cache = DynamicCache() if unroll > 1 else None  # concatenating, so autograd sees every step
+    causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+    x_f, idx, allowed, total, info = inp_f, anchors, causal, 0.0, {}
+    for s in range(1, unroll + 1):
+        if s == 2:
+            idx = unroll_anchors(T, unroll_fraction, generator).to(ids.device)
+            x_f, allowed = x_f[:, idx], causal[idx]
+        if s >= 2:
+            allowed = torch.cat([allowed, torch.eye(idx.numel(), dtype=torch.bool, device=ids.device)], dim=1)
+        at = (idx + s - 1).clamp(max=T - 1)  # index of f_{j+s} in feats[:, 1:]
+        attn = float_mask(allowed, inp_f.dtype) if cache is not None else None
+        pred = head(x_f, ids[:, at + 1], at.expand(B, -1), attn, cache)
+        r = row[:, at]
+        k = (r >= 0) & (idx + s <= T)
+        m = k.float()
+        denom = m.sum().clamp_min(1.0)
+        reg = (F.smooth_l1_loss(pred, feats[:, 1:][:, at], reduction="none").mean(-1) * m).sum() / denom
+        p = p_target[r[k]]
+        logp = core.logits(pred[k]).float().log_softmax(-1)
+        ce = -(p * logp).sum() / denom
+        total = total + unroll_decay ** (s - 1) * (reg + ce_weight * ce)
+        with torch.no_grad():
+            acc = (logp.argmax(-1) == p.argmax(-1)).float().sum() / denom
+        if s == 1:
+            info = {"reg": reg.item(), "ce": ce.item(), "acc": acc.item(), "tokens": int(m.sum())}
+        else:
+            info[f"acc{s}"] = acc.item()
+        x_f = pred
+    return total, info
+
+
+def unroll_anchors(T: int, fraction: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The sorted anchor positions whose unrolled chains train at steps >= 2."""
+    if fraction >= 1.0:
+        return torch.arange(T)
+    n = max(1, round(T * fraction))
+    return torch.randperm(T, generator=generator)[:n].sort().values
 
 
 @torch.no_grad()
@@ -240,8 +281,10 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     if ck is not None:
         head = EagleDraftHead.from_pretrained(ck / "head", target)
         state = json.loads((ck / "trainer_state.json").read_text())
-        if state["config"] != asdict(cfg):
-            diff = {k: (state["config"].get(k), v) for k, v in asdict(cfg).items() if state["config"].get(k) != v}
+        # a field added after the checkpoint was written counts as its default
+        was = {**asdict(TrainConfig(features="", out="")), **state["config"]}
+        if was != asdict(cfg):
+            diff = {k: (was.get(k), v) for k, v in asdict(cfg).items() if was.get(k) != v}
             if set(diff) - {"max_steps", "save_every", "epochs"}:
                 raise EaglespecError(f"{out} was trained with other settings {diff}; use another --out")
     else:
@@ -279,7 +322,8 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
             g["lr"] = lr_at(step, total, cfg)
         ids, feats, mask = collate(train_set, idx, str(acc.device))
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumable noise
-        loss, info = eagle_loss(head_p, ids, feats, mask, cfg.noise, cfg.ce_weight, gen)
+        loss, info = eagle_loss(head_p, ids, feats, mask, cfg.noise, cfg.ce_weight, gen, cfg.unroll,
+                                 cfg.unroll_decay, cfg.unroll_fraction)
         opt_p.zero_grad(set_to_none=True)
         acc.backward(loss)
         acc.clip_grad_norm_(head_p.parameters(), cfg.grad_clip)
