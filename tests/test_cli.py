@@ -73,6 +73,14 @@ def test_bad_input(tiny_dirs, gen, extra, msg):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("extra,msg", [(["--unroll", "0"], "unroll must be >= 1"),
+                                       (["--unroll-fraction", "1.5"], "unroll_fraction must be in (0, 1]"),
+                                       (["--lr", "-1"], "lr must be > 0")])
+def test_bad_train_settings(tmp_path, run, extra, msg):
+    rc, _, err = run("train", "--features", str(tmp_path), "--out", str(tmp_path / "run"), *extra)
+    assert rc == 2 and msg in err and "Traceback" not in err
+
+
 def test_unknown_model(run):
     rc, _, err = run("generate", "--model", "no-such-model", "--prompt", "hi")
     assert rc == 2 and "unknown model" in err and "Traceback" not in err

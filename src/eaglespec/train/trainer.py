@@ -59,6 +59,15 @@ class TrainConfig:
     unroll_decay: float = 0.8  # loss weight of step s is unroll_decay ** (s - 1)
     unroll_fraction: float = 0.25  # share of anchors whose chains train at steps >= 2
 
+    def validate(self) -> None:
+        checks = [("epochs", self.epochs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
+                  ("batch_tokens", self.batch_tokens >= 1, ">= 1"), ("noise", self.noise >= 0, ">= 0"),
+                  ("unroll", self.unroll >= 1, ">= 1"), ("unroll_decay", self.unroll_decay > 0, "> 0"),
+                  ("unroll_fraction", 0 < self.unroll_fraction <= 1, "in (0, 1]")]
+        for name, ok, want in checks:
+            if not ok:
+                raise EaglespecError(f"{name} must be {want}, got {getattr(self, name)}")
+
 
 # -- data ---------------------------------------------------------------------------------------------
 @dataclass
@@ -263,6 +272,7 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
 
     from ..models import load_target
 
+    cfg.validate()
     acc = Accelerator(cpu=cfg.device == "cpu")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
