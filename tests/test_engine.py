@@ -90,6 +90,24 @@ def test_target_tokens_outside_draft_vocabulary(tiny_pair):
         assert max(eag.stats.accept_lengths) > 1
 
 
+@pytest.mark.parametrize("tree", ["chain:1+lookup", "paper+lookup:4", "auto+lookup"])
+def test_prompt_lookup_grafts_stay_lossless(tree):
+    """Prompt-lookup guesses grafted onto a weak head's tree: greedy output is still vanilla's, and
+    the guesses really get accepted on repetitive text."""
+    model = tiny_target("llama", seed=3)
+    head = good_head(model)
+    with torch.no_grad():  # a poor head, so that the guesses add what the head misses
+        head.fc.bias.normal_(0, 2.0, generator=torch.Generator().manual_seed(0))
+    eng = Engine(model, head, tree=tree, costs=synthetic_costs(0.02, 0.05))
+    used = 0
+    for ids in PROMPTS + [[5, 9, 17, 33, 2] * 4]:
+        eag = eng.generate(ids, 60, method="eagle")
+        assert eag.token_ids == hf_greedy(model, ids, 60)
+        used += eag.stats.lookup_tokens
+        assert eag.stats.lookup_tokens < sum(eag.stats.accept_lengths) - eag.stats.rounds + 1
+    assert used > 0
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_greedy_many_seeds_random_heads(seed):
     model = tiny_target("llama" if seed % 2 else "qwen2", seed=seed, attn_scale=0.2 + 0.1 * seed)

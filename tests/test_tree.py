@@ -118,3 +118,40 @@ def test_plan_children_takes_the_best_slots_as_prefixes():
     assert plan_children([], slots, keep=0, cap=99) == [0, 0]
     assert plan_children([], [[0.3, 0.3, 0.3]], keep=2, cap=99) == [3]  # ties are all in
     assert plan_children([], [[0.5, 0.5], [0.5]], keep=2, cap=2) == [2, 0]  # ties: lower node first
+
+
+def test_prompt_lookup_finds_the_latest_longest_match():
+    from eaglespec.tree import prompt_lookup
+
+    h = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # last trigram (5, 2, 3) never occurred before; bigram (2, 3) did, latest at index 6 -> 7, 8, ...
+    assert prompt_lookup(h, 3) == [7, 8, 5]
+    assert prompt_lookup(h + [7], 2) == [8, 5]  # trigram (2, 3, 7) wins over the older bigram
+    assert prompt_lookup([4, 5, 6], 4) == [] and prompt_lookup([3], 4) == []
+    assert prompt_lookup([1, 2, 1, 2], 5) == [1, 2]  # the continuation may run into the tail
+
+
+def test_graft_chain_reuses_prefix_nodes_and_appends_the_rest():
+    from eaglespec.tree import graft_chain
+
+    t = build_tree([[0], [1], [0, 0]])  # root, a(0), b(1), a->c(0,0)
+    tokens = [50, 10, 11, 12]  # by t.paths: (), (0,), (1,), (0, 0)
+    paths, toks = graft_chain(t.paths, tokens, [10, 12, 13])  # follows a -> c, then adds 13 under c
+    assert paths[4:] == [(0, 0, 0)] and toks[4:] == [13]
+    paths, toks = graft_chain(t.paths, tokens, [10, 14, 15])  # branches off a as its second child
+    assert paths[4:] == [(0, 1), (0, 1, 0)] and toks[4:] == [14, 15]
+    paths, toks = graft_chain(t.paths, tokens, [16])  # a new third child of the root
+    assert paths[4:] == [(2,)] and toks[4:] == [16]
+    built = build_tree([list(p) for p in paths[1:]])  # always a valid tree
+    assert built.n == 5
+
+
+def test_split_lookup():
+    from eaglespec.tree import LOOKUP_TOKENS, split_lookup
+
+    assert split_lookup("auto") == ("auto", 0)
+    assert split_lookup("auto+lookup") == ("auto", LOOKUP_TOKENS)
+    assert split_lookup("chain:1+lookup:5") == ("chain:1", 5)
+    for bad in ("auto+lookup:0", "auto+lookup:x", "auto+lookupy", "auto+lookup:99"):
+        with pytest.raises(ValueError, match="lookup"):
+            split_lookup(bad)

@@ -18,8 +18,8 @@ from .cache import KVCache
 from .errors import EaglespecError
 from .head import EagleDraftHead
 from .costmodel import CostProfile, load_or_measure
-from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, parse_spec, paths_of, plan_children,
-                   prefix_tree_mask, select_nodes)
+from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, parse_spec, paths_of,
+                   plan_children, prefix_tree_mask, prompt_lookup, select_nodes, split_lookup)
 from .verify import SamplingParams, greedy_accept, sample_accept, target_probs
 
 DRAFT_SAMPLING = ("topk", "sample")
@@ -37,6 +37,7 @@ class GenerationStats:
     # n-alpha: at a tree position reached with n draft-predicted features upstream, was a child accepted?
     alpha_accepted: list[int] = field(default_factory=list)
     alpha_total: list[int] = field(default_factory=list)
+    lookup_tokens: int = 0  # accepted tokens that only the prompt-lookup chain proposed
 
     @property
     def tau(self) -> float:
@@ -57,6 +58,7 @@ class GenerationStats:
             "prefill_time_s": self.prefill_time_s, "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s, "n_alpha": self.n_alpha,
             "alpha_accepted": self.alpha_accepted, "alpha_total": self.alpha_total,
+            "lookup_tokens": self.lookup_tokens,
         }
 
 
@@ -79,6 +81,7 @@ class _Row:
     head_len: int = 0  # this row's committed entries in the head's cache
     emitted: int = 0
     reason: str | None = None
+    history: list[int] = field(default_factory=list)  # prompt + emitted tokens (for prompt lookup)
 
 
 def sample_without_replacement(q: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
@@ -120,6 +123,7 @@ class Engine:
         if self.head is not None and (quant or getattr(model.config, "eaglespec_kernels", None) == "packed"):
             # a CPU-tuned target gets a CPU-tuned head: drafting must stay cheap next to a fast step
             self.head.pack("int4" if quant == "int4" else "packed")
+        tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (greedy, batch 1)
         spec = parse_spec(tree)
         # a static tree is built once; a dynamic one is regrown by the head every round
         self.dynamic: DynamicTree | None = spec if isinstance(spec, DynamicTree) else None
@@ -233,6 +237,8 @@ class Engine:
             self.costs = load_or_measure(self)
         depth = self.dynamic.depth if self.dynamic else self.tree.max_depth
         max_nodes = (self.dynamic.total_tokens or self.dynamic.max_nodes) if self.dynamic else self.tree.n
+        lookup = self.lookup if eagle and sp.greedy and len(prompts) == 1 else 0
+        depth, max_nodes = max(depth, lookup), max_nodes + lookup
         lens = [len(ids) for ids in prompts]
         # + depth + 1: a row may overshoot its budget by one accepted path before it leaves the batch,
         # and the shared write offset (the longest row) keeps that length for the rows still running
@@ -254,6 +260,8 @@ class Engine:
         for r in rows:
             if eagle:  # head inputs (f_j, t_{j+1}) not yet in the head's cache
                 r.pending = (feats[r.index, :r.n_ctx], prompts[r.index][1:] + [r.root])
+            if lookup:
+                r.history = prompts[r.index] + [r.root]
             r.stats.prefill_time_s = self._clock() - t0
         head_cache = KVCache(cache.max_len) if eagle else None
 
@@ -291,8 +299,11 @@ class Engine:
             # near the context limit the deepest tree node would overflow the positions: go plain
             use_tree = eagle and all(r.n_ctx + depth < self.max_context for r in rows)
             ta = self._clock()
+            drafted = None  # the head's own tree, when prompt lookup grafted nodes onto it
             if use_tree:
                 node_tokens, node_q, cur = self._draft(rows, head_cache, sp, gen, ta)
+                if lookup:
+                    drafted, (node_tokens, node_q, cur) = cur, self._graft(cur, node_tokens[0], rows[0].history, lookup)
             else:
                 node_tokens, node_q, cur = [[r.root] for r in rows], [[None] for _ in rows], self.plain
             tb = self._clock()
@@ -314,10 +325,15 @@ class Engine:
                 r.stats.accept_lengths.append(len(accepted))
                 r.stats.draft_time_s += tb - ta
                 r.stats.verify_time_s += tc - tb
-                if cur.n > 1:
-                    self._count_alpha(cur, path, r.stats)
+                tree_h, path_h = cur, path
+                if drafted is not None:  # the head's statistics see only the head's nodes
+                    tree_h, path_h = drafted, self._head_path(drafted, cur, path)
+                    r.stats.lookup_tokens += len(path) - len(path_h)
+                    r.history += accepted
+                if tree_h.n > 1:
+                    self._count_alpha(tree_h, path_h, r.stats)
                 if use_tree and self.dynamic is not None:
-                    self._calibrate(cur, path)
+                    self._calibrate(tree_h, path_h)
                 events.append(emit(r, accepted))
             yield events
 
@@ -570,6 +586,29 @@ class Engine:
         guess = [math.exp(2 * scores[i] - (scores[parents[i]] if parents[i] >= 0 else 0.0)) * c for i in frontier]
         _, then = self.costs.best_size(sorted(gains + guess, reverse=True), spent + self.costs.draft_level_s)
         return then > now
+
+    @staticmethod
+    def _graft(tree: TreeBuffers, tokens: list[int], history: list[int], n: int
+               ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
+        """The drafted tree plus a chain of up to n prompt-lookup guesses under its root (greedy
+        only: a guessed node has no draft law; any tree is lossless when acceptance is argmax)."""
+        paths, toks = graft_chain(tree.paths, tokens, prompt_lookup(history, n))
+        if len(paths) > tree.n:
+            new = build_tree([list(p) for p in paths[1:]])
+            tok_of = dict(zip(paths, toks))
+            tree, tokens = new, [tok_of[p] for p in new.paths]
+        return [tokens], [[None] * tree.n], tree
+
+    @staticmethod
+    def _head_path(drafted: TreeBuffers, grafted: TreeBuffers, path: list[int]) -> list[int]:
+        """The accepted path's prefix of drafted nodes, as indices of the drafted tree."""
+        index = {p: i for i, p in enumerate(drafted.paths)}
+        out = []
+        for node in path:
+            if grafted.paths[node] not in index:
+                break
+            out.append(index[grafted.paths[node]])
+        return out
 
     # -- verification -----------------------------------------------------------------------------
     def _verify(self, rows: list["_Row"], node_tokens: list[list[int]], node_q: list[list[torch.Tensor | None]],

@@ -73,6 +73,62 @@ def parse_spec(spec: "str | list[list[int]] | DynamicTree") -> "list[list[int]] 
     return parse_tree(spec)
 
 
+def split_lookup(spec: "str | list[list[int]] | DynamicTree") -> "tuple[str | list[list[int]] | DynamicTree, int]":
+    """``TREE+lookup[:L]`` -> (TREE, L): graft up to L prompt-lookup tokens onto every tree (0 = off)."""
+    if not isinstance(spec, str) or "+lookup" not in spec:
+        return spec, 0
+    base, _, arg = spec.partition("+lookup")
+    try:
+        n = int(arg[1:]) if arg.startswith(":") else (LOOKUP_TOKENS if not arg else -1)
+    except ValueError:
+        n = -1
+    if not 1 <= n <= 32:
+        raise ValueError(f"bad tree spec {spec!r}: use TREE+lookup or TREE+lookup:L with 1<=L<=32")
+    return base, n
+
+
+LOOKUP_TOKENS = 8
+
+
+def prompt_lookup(history: list[int], max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
+    """Prompt lookup's guess: the tokens that followed the latest earlier occurrence of the
+    history's last n-gram (longest n first). Answers that quote their prompt (numbers, code
+    identifiers) are where a draft head is weakest and this is free."""
+    end = len(history)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if end <= n:
+            continue
+        tail = history[end - n:]
+        for s in range(end - n - 1, -1, -1):
+            if history[s + n - 1] == tail[-1] and history[s:s + n] == tail:
+                return list(history[s + n:s + n + max_tokens])
+    return []
+
+
+def graft_chain(paths: list[tuple[int, ...]], tokens: list[int], chain_tokens: list[int]
+                ) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Add a chain of guessed tokens under the root of a tree given as node paths and tokens
+    (node 0 = the root, path ()); nodes that already hold a prefix of the chain are reused, new
+    nodes are appended as the last-ranked children. Returns the new paths and tokens."""
+    paths, tokens = list(paths), list(tokens)
+    kids: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = {}
+    next_rank: dict[tuple[int, ...], int] = {}
+    for p, t in zip(paths[1:], tokens[1:]):
+        kids.setdefault(p[:-1], {}).setdefault(t, p)
+        next_rank[p[:-1]] = max(next_rank.get(p[:-1], 0), p[-1] + 1)
+    cur: tuple[int, ...] = ()
+    for t in chain_tokens:
+        nxt = kids.get(cur, {}).get(t)
+        if nxt is None:
+            nxt = cur + (next_rank.get(cur, 0),)
+            next_rank[cur] = nxt[-1] + 1
+            kids.setdefault(cur, {})[t] = nxt
+            paths.append(nxt)
+            tokens.append(t)
+        cur = nxt
+    return paths, tokens
+
+
 def select_nodes(scores: list[float], parents: list[int], budget: int) -> list[int]:
     """Indices of the `budget` best candidates by cumulative log-probability, ancestor-closed.
 
@@ -134,7 +190,7 @@ def parse_tree(spec: str | list[list[int]]) -> list[list[int]]:
         if not 0 <= k <= 64:
             raise ValueError(f"bad tree spec {spec!r}: K must be in [0, 64]")
         return chain(k)
-    raise ValueError(f"unknown tree {spec!r}: use paper, chain:K, dynamic[:D,K,N] or auto")
+    raise ValueError(f"unknown tree {spec!r}: use paper, chain:K, dynamic[:D,K,N] or auto (each optionally +lookup[:L])")
 
 
 @dataclass
