@@ -5,8 +5,8 @@ set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
 STAGES=${STAGES:-"profile ablation ablation-int4 compile main int4 int4-t1 batch tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
-TREE=${TREE:-auto}     # the eagle row of the main table: the best tree of the ablation on this CPU
-TREE4=${TREE4:-auto}    # the same for the int4 target (its own ablation)
+TREE=${TREE:-auto+lookup}  # the eagle row of the main table: the best tree of the ablation, plus prompt-lookup grafts (T = 0)
+TREE4=${TREE4:-auto+lookup}  # the same for the int4 target (its own ablation)
 BATCH_TREE=${BATCH_TREE:-chain:1}  # batches need a static tree
 mkdir -p "$OUT"
 for stage in $STAGES; do
@@ -27,7 +27,7 @@ for stage in $STAGES; do
         --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto --out "$OUT/ablation-int4" ;;
     main)      # all four datasets, T=0 and T=1, every peer
       eaglespec bench --packed --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only --temperature 0,1 --tree "$TREE" \
-        --methods vanilla,hf,pld,eagle,eagle@chain:1,eagle@paper,llamacpp,llamacpp-pld --out "$OUT/main" ;;
+        --methods vanilla,hf,pld,eagle,eagle@auto,eagle@chain:1,llamacpp,llamacpp-pld --out "$OUT/main" ;;
     compile)   # the torch.compile'd fp32 target (its own vanilla) on the ablation's questions; cold compile included once
       eaglespec bench --compile --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree auto \
         --methods vanilla,eagle,eagle@chain:1 --out "$OUT/compile" ;;
@@ -36,7 +36,7 @@ for stage in $STAGES; do
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch" ;;
     int4)      # the fast target: weight-only int4 (its own vanilla), all four datasets, against llama.cpp
       eaglespec bench --quantize int4 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
-        --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,pld,eagle,llamacpp --out "$OUT/int4" ;;
+        --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,pld,eagle,eagle@auto,llamacpp --out "$OUT/int4" ;;
     int4-t1)   # T = 1 on the int4 target: auto (a sampled dynamic tree) vs chain:1 (one sampled draft)
       eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 1 --tree auto \
         --methods vanilla,eagle,eagle@chain:1 --out "$OUT/int4-t1" ;;

@@ -108,6 +108,13 @@ def test_shipped_head_auto_tree_and_batches_equal_vanilla(smol):
         assert out.token_ids == ref
         sizes_used |= set(out.stats.accept_lengths)
     assert len(sizes_used) > 2
+    lookup = Engine(model, head, tree="auto+lookup", costs=costs)  # + prompt-lookup grafts
+    grafted = 0
+    for ids, ref in zip(prompts, refs):
+        out = lookup.generate(ids, 96)
+        assert out.token_ids == ref
+        grafted += out.stats.lookup_tokens
+    assert grafted > 0  # the grafts were accepted somewhere, so they were really verified
     batch = Engine(model, head, tree="paper").generate_batch(prompts, 96)
     assert [o.token_ids for o in batch] == refs
     assert len({tuple(o.stats.accept_lengths) for o in batch}) == 3  # rows advanced differently

@@ -28,7 +28,8 @@ COMPILE_HELP = ("torch.compile the plain fp32 target's decoder (every method use
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
               "model; int4 is the fast one on CPU)")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
-             "auto (dynamic, sized each round by this machine's cost curve)")
+             "auto (dynamic, sized each round by this machine's cost curve); append +lookup[:L] to graft up "
+             "to L (default 8) prompt-lookup tokens onto every tree at temperature 0, batch 1")
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
