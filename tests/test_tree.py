@@ -136,11 +136,11 @@ def test_graft_chain_reuses_prefix_nodes_and_appends_the_rest():
 
     t = build_tree([[0], [1], [0, 0]])  # root, a(0), b(1), a->c(0,0)
     tokens = [50, 10, 11, 12]  # by t.paths: (), (0,), (1,), (0, 0)
-    paths, toks = graft_chain(t.paths, tokens, [10, 12, 13])  # follows a -> c, then adds 13 under c
-    assert paths[4:] == [(0, 0, 0)] and toks[4:] == [13]
-    paths, toks = graft_chain(t.paths, tokens, [10, 14, 15])  # branches off a as its second child
-    assert paths[4:] == [(0, 1), (0, 1, 0)] and toks[4:] == [14, 15]
-    paths, toks = graft_chain(t.paths, tokens, [16])  # a new third child of the root
+    paths, toks, chain = graft_chain(t.paths, tokens, [10, 12, 13])  # follows a -> c, then adds 13 under c
+    assert paths[4:] == [(0, 0, 0)] and toks[4:] == [13] and chain == [(0,), (0, 0), (0, 0, 0)]
+    paths, toks, chain = graft_chain(t.paths, tokens, [10, 14, 15])  # branches off a as its second child
+    assert paths[4:] == [(0, 1), (0, 1, 0)] and toks[4:] == [14, 15] and chain[1:] == paths[4:]
+    paths, toks, _ = graft_chain(t.paths, tokens, [16])  # a new third child of the root
     assert paths[4:] == [(2,)] and toks[4:] == [16]
     built = build_tree([list(p) for p in paths[1:]])  # always a valid tree
     assert built.n == 5

@@ -133,6 +133,8 @@ class Engine:
         self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
         self._calib_rank: list[list[float]] = []  # the same per sibling rank, for sampled trees
         self._predicted_rank: list[float] | None = None
+        self._lookup_hits: list[list[float]] = []  # per graft position: decayed (accepted, proposed)
+        self._chain: list[tuple[int, ...]] = []  # this round's grafted chain, as node paths
         self.draft_sampling = draft_sampling
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -303,7 +305,8 @@ class Engine:
             if use_tree:
                 node_tokens, node_q, cur = self._draft(rows, head_cache, sp, gen, ta)
                 if lookup:
-                    drafted, (node_tokens, node_q, cur) = cur, self._graft(cur, node_tokens[0], rows[0].history, lookup)
+                    drafted, (node_tokens, node_q, cur) = cur, self._graft(cur, node_tokens[0], rows[0].history,
+                                                                           lookup, ta)
             else:
                 node_tokens, node_q, cur = [[r.root] for r in rows], [[None] for _ in rows], self.plain
             tb = self._clock()
@@ -329,6 +332,7 @@ class Engine:
                 if drafted is not None:  # the head's statistics see only the head's nodes
                     tree_h, path_h = drafted, self._head_path(drafted, cur, path)
                     r.stats.lookup_tokens += len(path) - len(path_h)
+                    self._calibrate_lookup(cur, path)
                     r.history += accepted
                 if tree_h.n > 1:
                     self._count_alpha(tree_h, path_h, r.stats)
@@ -587,17 +591,47 @@ class Engine:
         _, then = self.costs.best_size(sorted(gains + guess, reverse=True), spent + self.costs.draft_level_s)
         return then > now
 
-    @staticmethod
-    def _graft(tree: TreeBuffers, tokens: list[int], history: list[int], n: int
+    def _graft(self, tree: TreeBuffers, tokens: list[int], history: list[int], n: int, t_round: float
                ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
         """The drafted tree plus a chain of up to n prompt-lookup guesses under its root (greedy
-        only: a guessed node has no draft law; any tree is lossless when acceptance is argmax)."""
-        paths, toks = graft_chain(tree.paths, tokens, prompt_lookup(history, n))
+        only: a guessed node has no draft law; any tree is lossless when acceptance is argmax).
+        With `auto`, the chain is cut where one more guess no longer raises tokens per second."""
+        guess = prompt_lookup(history, n)
+        if guess and self.dynamic is not None and self.dynamic.auto:
+            guess = guess[: self._lookup_budget(len(guess), tree.n, t_round)]
+        paths, toks, self._chain = graft_chain(tree.paths, tokens, guess)
         if len(paths) > tree.n:
             new = build_tree([list(p) for p in paths[1:]])
             tok_of = dict(zip(paths, toks))
             tree, tokens = new, [tok_of[p] for p in new.paths]
         return [tokens], [[None] * tree.n], tree
+
+    def _lookup_rate(self, k: int) -> float:
+        """How often the k-th guess (0-based) of a graft was accepted lately (a prior of 0.6^(k+1))."""
+        if k >= len(self._lookup_hits):
+            return 0.6 ** (k + 1)
+        return self._ratio(self._lookup_hits[k], 0.01)
+
+    def _lookup_budget(self, n: int, nodes: int, t_round: float) -> int:
+        """How many of n guesses to verify next to the head's `nodes`-node tree: each adds its
+        acceptance rate to the expected tokens and one token to the verification."""
+        spent = self._clock() - t_round
+        expected = 1.0 + self._predicted * self._calib_ratio()
+        best_l, best = 0, expected / (spent + self.costs.verify(nodes))
+        for l in range(1, n + 1):
+            expected += self._lookup_rate(l - 1)
+            rate = expected / (spent + self.costs.verify(nodes + l))
+            if rate > best:
+                best_l, best = l, rate
+        return best_l
+
+    def _calibrate_lookup(self, tree: TreeBuffers, path: list[int]) -> None:
+        decay, on_path = 0.98, {tree.paths[i] for i in path}
+        while len(self._lookup_hits) < len(self._chain):
+            self._lookup_hits.append([0.6 ** (len(self._lookup_hits) + 1), 1.0])
+        for k, p in enumerate(self._chain):
+            a, q = self._lookup_hits[k]
+            self._lookup_hits[k] = [decay * a + (p in on_path), decay * q + 1.0]
 
     @staticmethod
     def _head_path(drafted: TreeBuffers, grafted: TreeBuffers, path: list[int]) -> list[int]:

@@ -106,10 +106,11 @@ def prompt_lookup(history: list[int], max_tokens: int, max_ngram: int = 3, min_n
 
 
 def graft_chain(paths: list[tuple[int, ...]], tokens: list[int], chain_tokens: list[int]
-                ) -> tuple[list[tuple[int, ...]], list[int]]:
+                ) -> tuple[list[tuple[int, ...]], list[int], list[tuple[int, ...]]]:
     """Add a chain of guessed tokens under the root of a tree given as node paths and tokens
     (node 0 = the root, path ()); nodes that already hold a prefix of the chain are reused, new
-    nodes are appended as the last-ranked children. Returns the new paths and tokens."""
+    nodes are appended as the last-ranked children. Returns the new paths and tokens, and the
+    path of each chain token's node."""
     paths, tokens = list(paths), list(tokens)
     kids: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = {}
     next_rank: dict[tuple[int, ...], int] = {}
@@ -117,6 +118,7 @@ def graft_chain(paths: list[tuple[int, ...]], tokens: list[int], chain_tokens: l
         kids.setdefault(p[:-1], {}).setdefault(t, p)
         next_rank[p[:-1]] = max(next_rank.get(p[:-1], 0), p[-1] + 1)
     cur: tuple[int, ...] = ()
+    chain_paths = []
     for t in chain_tokens:
         nxt = kids.get(cur, {}).get(t)
         if nxt is None:
@@ -126,7 +128,8 @@ def graft_chain(paths: list[tuple[int, ...]], tokens: list[int], chain_tokens: l
             paths.append(nxt)
             tokens.append(t)
         cur = nxt
-    return paths, tokens
+        chain_paths.append(nxt)
+    return paths, tokens, chain_paths
 
 
 def select_nodes(scores: list[float], parents: list[int], budget: int) -> list[int]:
