@@ -11,6 +11,7 @@ from eaglespec.cache import KVCache
 from eaglespec.costmodel import CostProfile
 from eaglespec.engine import Engine
 from eaglespec.errors import EaglespecError
+from eaglespec.tree import build_tree
 from eaglespec.verify import SamplingParams, target_probs
 
 from conftest import good_head, tiny_target
@@ -106,6 +107,28 @@ def test_prompt_lookup_grafts_stay_lossless(tree):
         used += eag.stats.lookup_tokens
         assert eag.stats.lookup_tokens < sum(eag.stats.accept_lengths) - eag.stats.rounds + 1
     assert used > 0
+
+
+def test_lookup_budget_follows_costs_and_acceptance(tiny_pair):
+    """`auto` sizes the graft: cheap verification -> the whole chain, dear -> none; misses lower a
+    position's rate, and a position no longer proposed drifts back to its prior."""
+    model, head = tiny_pair
+    cheap = Engine(model, head, tree="auto+lookup", costs=synthetic_costs(0.001, 0.05))
+    dear = Engine(model, head, tree="auto+lookup", costs=synthetic_costs(5.0, 0.05))
+    for eng in (cheap, dear):
+        eng._predicted = 1.0
+    now = cheap._clock()
+    assert cheap._lookup_budget(8, 4, now) >= 6 and dear._lookup_budget(8, 4, now) == 0
+    tree = build_tree("chain:2")
+    cheap._chain = [tree.paths[1], tree.paths[2]]
+    for _ in range(200):  # both guesses proposed, both rejected
+        cheap._calibrate_lookup(tree, [])
+    assert cheap._lookup_rate(0) < 0.05 and cheap._lookup_rate(1) < 0.05
+    assert cheap._lookup_rate(5) <= cheap._lookup_rate(0)  # a later guess needs the earlier ones
+    cheap._chain = [tree.paths[1]]
+    for _ in range(400):  # only the first proposed (and rejected): the second forgets its misses
+        cheap._calibrate_lookup(tree, [])
+    assert cheap._lookup_rate(0) < 0.05 and cheap._ratio(cheap._lookup_hits[1], 0.01) > 0.3
 
 
 @pytest.mark.parametrize("seed", range(6))

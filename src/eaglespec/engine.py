@@ -598,7 +598,8 @@ class Engine:
         With `auto`, the chain is cut where one more guess no longer raises tokens per second."""
         guess = prompt_lookup(history, n)
         if guess and self.dynamic is not None and self.dynamic.auto:
-            guess = guess[: self._lookup_budget(len(guess), tree.n, t_round)]
+            # at least one guess: the first position's rate keeps being measured
+            guess = guess[: max(1, self._lookup_budget(len(guess), tree.n, t_round))]
         paths, toks, self._chain = graft_chain(tree.paths, tokens, guess)
         if len(paths) > tree.n:
             new = build_tree([list(p) for p in paths[1:]])
@@ -606,11 +607,15 @@ class Engine:
             tree, tokens = new, [tok_of[p] for p in new.paths]
         return [tokens], [[None] * tree.n], tree
 
+    @staticmethod
+    def _lookup_prior(k: int) -> float:
+        return 0.6 ** (k + 1)
+
     def _lookup_rate(self, k: int) -> float:
-        """How often the k-th guess (0-based) of a graft was accepted lately (a prior of 0.6^(k+1))."""
-        if k >= len(self._lookup_hits):
-            return 0.6 ** (k + 1)
-        return self._ratio(self._lookup_hits[k], 0.01)
+        """How often the k-th guess (0-based) of a graft was accepted lately; never above the
+        rate of the guess before it, which must be accepted first."""
+        rate = self._lookup_prior(k) if k >= len(self._lookup_hits) else self._ratio(self._lookup_hits[k], 0.01)
+        return min(rate, self._lookup_rate(k - 1)) if k > 0 else rate
 
     def _lookup_budget(self, n: int, nodes: int, t_round: float) -> int:
         """How many of n guesses to verify next to the head's `nodes`-node tree: each adds its
@@ -626,12 +631,16 @@ class Engine:
         return best_l
 
     def _calibrate_lookup(self, tree: TreeBuffers, path: list[int]) -> None:
+        """Proposed positions learn from this round; the others drift back to their prior, so a
+        position the budget stopped proposing (after a run of misses) is tried again later."""
         decay, on_path = 0.98, {tree.paths[i] for i in path}
-        while len(self._lookup_hits) < len(self._chain):
-            self._lookup_hits.append([0.6 ** (len(self._lookup_hits) + 1), 1.0])
-        for k, p in enumerate(self._chain):
-            a, q = self._lookup_hits[k]
-            self._lookup_hits[k] = [decay * a + (p in on_path), decay * q + 1.0]
+        while len(self._lookup_hits) < max(len(self._chain), self.lookup):
+            self._lookup_hits.append([self._lookup_prior(len(self._lookup_hits)), 1.0])
+        for k, (a, q) in enumerate(self._lookup_hits):
+            if k < len(self._chain):
+                self._lookup_hits[k] = [decay * a + (self._chain[k] in on_path), decay * q + 1.0]
+            else:
+                self._lookup_hits[k] = [decay * a + (1 - decay) * self._lookup_prior(k), decay * q + (1 - decay)]
 
     @staticmethod
     def _head_path(drafted: TreeBuffers, grafted: TreeBuffers, path: list[int]) -> list[int]:
