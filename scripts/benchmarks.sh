@@ -21,10 +21,10 @@ for stage in $STAGES; do
         | tee "$OUT/profile-all.md" ;;
     ablation)  # which tree: paper vs chain vs dynamic vs auto, MT-bench first turns, T=0
       eaglespec bench --packed --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
-        --methods vanilla,eagle,eagle-chain,eagle@chain:1,eagle@chain:2,eagle@dynamic:4,3,8,eagle@auto --out "$OUT/ablation" ;;
+        --methods vanilla,eagle,eagle-chain,eagle@chain:1,eagle@chain:2,eagle@dynamic:4,3,8,eagle@auto,eagle@auto+lookup --out "$OUT/ablation" ;;
     ablation-int4)  # the same question for the int4 target, whose cost curve differs
       eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
-        --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto --out "$OUT/ablation-int4" ;;
+        --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto,eagle@auto+lookup --out "$OUT/ablation-int4" ;;
     main)      # all four datasets, T=0 and T=1, every peer
       eaglespec bench --packed --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only --temperature 0,1 --tree "$TREE" \
         --methods vanilla,hf,pld,eagle,eagle@auto,eagle@chain:1,llamacpp,llamacpp-pld --out "$OUT/main" ;;
