@@ -17,6 +17,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -170,19 +171,10 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
         p_target = core.logits(feats[:, 1:][keep]).float().softmax(-1)
     row = torch.full((B, T), -1, dtype=torch.long, device=ids.device)
     row[keep] = torch.arange(int(keep.sum()), device=ids.device)
-    anchors = torch.arange(T, device=ids.device)
     cache = DynamicCache() if unroll > 1 else None  # concatenating, so autograd sees every step
-    causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-    x_f, idx, allowed, total, info = inp_f, anchors, causal, 0.0, {}
-    for s in range(1, unroll + 1):
-        if s == 2:
-            idx = unroll_anchors(T, unroll_fraction, generator).to(ids.device)
-            x_f, allowed = x_f[:, idx], causal[idx]
-        if s >= 2:
-            allowed = torch.cat([allowed, torch.eye(idx.numel(), dtype=torch.bool, device=ids.device)], dim=1)
-        at = (idx + s - 1).clamp(max=T - 1)  # index of f_{j+s} in feats[:, 1:]
-        attn = float_mask(allowed, inp_f.dtype) if cache is not None else None
-        pred = head(x_f, ids[:, at + 1], at.expand(B, -1), attn, cache)
+    later = unroll_anchors(T, unroll_fraction, generator) if unroll > 1 else None
+    total, info = 0.0, {}
+    for s, idx, at, pred in unroll_head(head, ids, inp_f, unroll, cache, later):
         r = row[:, at]
         k = (r >= 0) & (idx + s <= T)
         m = k.float()
@@ -198,8 +190,35 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
             info = {"reg": reg.item(), "ce": ce.item(), "acc": acc.item(), "tokens": int(m.sum())}
         else:
             info[f"acc{s}"] = acc.item()
-        x_f = pred
     return total, info
+
+
+def unroll_head(head: EagleDraftHead, ids: torch.Tensor, x_f: torch.Tensor, steps: int, cache=None,
+                later: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Run the head `steps` times the way drafting does; yield (s, anchors, at, prediction) per step.
+
+    ids: (B, T+1) tokens, x_f: (B, T, H) step-1 input features. Anchor j's step s predicts f_{j+s}
+    (at = j+s-1, clamped; callers drop j+s > T) from its step s-1 prediction and token t_{j+s}, seeing
+    the real prefix up to j and its own chain: the mask gains one diagonal per step. `later` restricts
+    steps >= 2 to those anchors (chains are independent). Without a cache the head runs step 1 alone,
+    causally.
+    """
+    B, T = x_f.shape[:2]
+    dev = ids.device
+    idx = torch.arange(T, device=dev)
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    allowed = causal
+    for s in range(1, steps + 1):
+        if s == 2 and later is not None:
+            idx = later.to(dev)
+            x_f, allowed = x_f[:, idx], causal[idx]
+        if s >= 2:
+            allowed = torch.cat([allowed, torch.eye(idx.numel(), dtype=torch.bool, device=dev)], dim=1)
+        at = (idx + s - 1).clamp(max=T - 1)
+        attn = float_mask(allowed, x_f.dtype) if cache is not None else None
+        pred = head(x_f, ids[:, at + 1], at.expand(B, -1), attn, cache)
+        yield s, idx, at, pred
+        x_f = pred
 
 
 def unroll_anchors(T: int, fraction: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -214,9 +233,8 @@ def unroll_anchors(T: int, fraction: float, generator: torch.Generator | None = 
 def unroll_accuracy(head: EagleDraftHead, seqs: Sequences, n: int, steps: int) -> list[float]:
     """Top-1 agreement of the draft with the target's argmax at unroll steps 1..`steps`.
 
-    The head is fed its own predicted features, as at inference: step s for anchor j sees the real
-    pairs up to j and its own chain of predictions (one forward per step over all anchors, with a
-    mask that adds a diagonal per step).
+    The head is fed its own predicted features, as at inference (`unroll_head`, one forward per step
+    over all anchors).
     """
     head.eval()
     dev = next(head.parameters()).device
@@ -229,22 +247,11 @@ def unroll_accuracy(head: EagleDraftHead, seqs: Sequences, n: int, steps: int) -
         if T < 2:
             continue
         target_arg = lm_full(f).argmax(-1)  # (T+1,): the target's greedy next token after each position
-        cache = KVCache(T * steps)
-        anchors = torch.arange(T, device=dev)
-        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-        eye = torch.eye(T, dtype=torch.bool, device=dev)
-        x_f = f[:-1]
-        allowed = causal
-        for s in range(1, steps + 1):
-            tok_pos = (anchors + s).clamp(max=T)
-            out = head(x_f[None], ids[tok_pos][None], (anchors + s - 1)[None], float_mask(allowed, torch.float32),
-                       cache)[0]
-            pred = head.to_target_ids(head.logits(out).argmax(-1))
-            valid = (anchors + s <= T) & msk[(anchors + s).clamp(max=T)]
-            hit[s - 1] += int(((pred == target_arg[(anchors + s).clamp(max=T)]) & valid).sum())
+        for s, idx, at, out in unroll_head(head, ids[None], f[None, :-1], steps, KVCache(T * steps)):
+            pred = head.to_target_ids(head.logits(out[0]).argmax(-1))
+            valid = (idx + s <= T) & msk[at + 1]
+            hit[s - 1] += int(((pred == target_arg[at + 1]) & valid).sum())
             tot[s - 1] += int(valid.sum())
-            x_f = out
-            allowed = torch.cat([allowed, eye], dim=1)
     head.train()
     return [h / t if t else 0.0 for h, t in zip(hit, tot)]
 
