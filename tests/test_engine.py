@@ -123,12 +123,13 @@ def test_lookup_budget_follows_costs_and_acceptance(tiny_pair):
     cheap._chain = [tree.paths[1], tree.paths[2]]
     for _ in range(200):  # both guesses proposed, both rejected
         cheap._calibrate_lookup(tree, [])
-    assert cheap._lookup_rate(0) < 0.05 and cheap._lookup_rate(1) < 0.05
-    assert cheap._lookup_rate(5) <= cheap._lookup_rate(0)  # a later guess needs the earlier ones
+    rates = cheap._lookup_rates(6)
+    assert rates[0] < 0.05 and rates[1] < 0.05
+    assert rates[5] <= rates[0]  # a later guess needs the earlier ones
     cheap._chain = [tree.paths[1]]
     for _ in range(400):  # only the first proposed (and rejected): the second forgets its misses
         cheap._calibrate_lookup(tree, [])
-    assert cheap._lookup_rate(0) < 0.05 and cheap._ratio(cheap._lookup_hits[1], 0.01) > 0.3
+    assert cheap._lookup_rates(1)[0] < 0.05 and cheap._ratio(cheap._lookup_hits[1], 0.01) > 0.3
 
 
 @pytest.mark.parametrize("seed", range(6))

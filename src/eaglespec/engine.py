@@ -611,11 +611,15 @@ class Engine:
     def _lookup_prior(k: int) -> float:
         return 0.6 ** (k + 1)
 
-    def _lookup_rate(self, k: int) -> float:
-        """How often the k-th guess (0-based) of a graft was accepted lately; never above the
-        rate of the guess before it, which must be accepted first."""
-        rate = self._lookup_prior(k) if k >= len(self._lookup_hits) else self._ratio(self._lookup_hits[k], 0.01)
-        return min(rate, self._lookup_rate(k - 1)) if k > 0 else rate
+    def _lookup_rates(self, n: int) -> list[float]:
+        """How often each of a graft's first n guesses was accepted lately; a guess's rate never
+        exceeds the one before it, which must be accepted first."""
+        rates, low = [], 1.0
+        for k in range(n):
+            h = self._lookup_hits
+            low = min(low, self._lookup_prior(k) if k >= len(h) else self._ratio(h[k], 0.01))
+            rates.append(low)
+        return rates
 
     def _lookup_budget(self, n: int, nodes: int, t_round: float) -> int:
         """How many of n guesses to verify next to the head's `nodes`-node tree: each adds its
@@ -623,8 +627,8 @@ class Engine:
         spent = self._clock() - t_round
         expected = 1.0 + self._predicted * self._calib_ratio()
         best_l, best = 0, expected / (spent + self.costs.verify(nodes))
-        for l in range(1, n + 1):
-            expected += self._lookup_rate(l - 1)
+        for l, r in enumerate(self._lookup_rates(n), start=1):
+            expected += r
             rate = expected / (spent + self.costs.verify(nodes + l))
             if rate > best:
                 best_l, best = l, rate

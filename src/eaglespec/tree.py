@@ -73,6 +73,9 @@ def parse_spec(spec: "str | list[list[int]] | DynamicTree") -> "list[list[int]] 
     return parse_tree(spec)
 
 
+LOOKUP_TOKENS = 8  # default graft length of TREE+lookup
+
+
 def split_lookup(spec: "str | list[list[int]] | DynamicTree") -> "tuple[str | list[list[int]] | DynamicTree, int]":
     """``TREE+lookup[:L]`` -> (TREE, L): graft up to L prompt-lookup tokens onto every tree (0 = off)."""
     if not isinstance(spec, str) or "+lookup" not in spec:
@@ -85,9 +88,6 @@ def split_lookup(spec: "str | list[list[int]] | DynamicTree") -> "tuple[str | li
     if not 1 <= n <= 32:
         raise ValueError(f"bad tree spec {spec!r}: use TREE+lookup or TREE+lookup:L with 1<=L<=32")
     return base, n
-
-
-LOOKUP_TOKENS = 8
 
 
 def prompt_lookup(history: list[int], max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
