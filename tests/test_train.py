@@ -171,6 +171,12 @@ def test_render_masks_assistant_tokens(tiny_features):
     msgs = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7 w8"}]
     ids, mask = render(msgs, tok, 100)
     assert [i for i, m in zip(ids, mask) if m] == [7, 8, 3]  # the reply and its end-of-turn token
+    # a reply cut at a token budget (regenerate) keeps no end-of-turn label and ends the conversation
+    cut = to_messages([{"from": "human", "value": "w5 w6"}, {"from": "gpt", "value": "w7 w8", "truncated": True},
+                       {"from": "human", "value": "w9"}, {"from": "gpt", "value": "w10"}])
+    assert cut == msgs[:1] + [{**msgs[1], "truncated": True}]
+    ids2, mask2 = render(cut, tok, 100)
+    assert ids2 == ids[: len(ids2)] and [i for i, m in zip(ids2, mask2) if m] == [7, 8]
 
 
 def test_extract_resumes_and_features_match_the_model(tiny_features):
@@ -297,8 +303,9 @@ def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features,
     for r in recs[:3]:  # the answer is the target's own greedy continuation of the first user turn
         prompt = [{"role": "user", "content": r["conversations"][0]["value"]}]
         ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        want = eng.generate(ids, 6, method="vanilla", eos_token_ids=[1]).token_ids
-        assert r["conversations"][1]["value"] == tok.decode([t for t in want if t not in special])
+        want = eng.generate(ids, 6, method="vanilla", eos_token_ids=[1])
+        assert r["conversations"][1]["value"] == tok.decode([t for t in want.token_ids if t not in special])
+        assert r["conversations"][1]["truncated"] == (want.finish_reason == "length")
     # the output is readable training data
     assert len(load_conversations(str(out))) == sum(1 for r in recs if r["conversations"][1]["value"].strip())
     # interrupted mid-line: the cut record is dropped and answered again, nothing twice

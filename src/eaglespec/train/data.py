@@ -69,6 +69,9 @@ def to_messages(turns: list[dict]) -> list[dict]:
         if role is None or not isinstance(value, str) or not value.strip():
             return []  # unknown role or empty turn: drop the conversation
         msgs.append({"role": role, "content": value})
+        if role == "assistant" and t.get("truncated"):
+            msgs[-1]["truncated"] = True  # cut at a token budget (regenerate): the target never ended it
+            break
     if msgs and msgs[0]["role"] == "system":
         body = msgs[1:]
     else:
@@ -82,7 +85,9 @@ def to_messages(turns: list[dict]) -> list[dict]:
 
 
 def render(messages: list[dict], tokenizer, max_len: int) -> tuple[list[int], list[int]]:
-    """Token ids and loss mask (1 on assistant tokens, including their end-of-turn token), truncated."""
+    """Token ids and loss mask (1 on assistant tokens, including their end-of-turn token), truncated.
+    A reply marked ``truncated`` ends the conversation without its end-of-turn tokens: the target
+    never produced them there, so they are no label."""
     ids: list[int] = []
     mask: list[int] = []
     for i, m in enumerate(messages):
@@ -92,9 +97,11 @@ def render(messages: list[dict], tokenizer, max_len: int) -> tuple[list[int], li
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
         if upto[: len(ids)] != ids or before[: len(ids)] != ids:
             raise EaglespecError("the chat template does not render conversations prefix by prefix")
+        if m.get("truncated"):
+            upto = upto[: len(before) + len(tokenizer.encode(m["content"], add_special_tokens=False))]
         mask += [0] * (len(before) - len(ids)) + [1] * (len(upto) - len(before))
         ids = list(upto)
-        if len(ids) >= max_len:
+        if len(ids) >= max_len or m.get("truncated"):
             break
     return ids[:max_len], mask[:max_len]
 

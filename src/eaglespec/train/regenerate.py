@@ -92,7 +92,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
                 new_tokens += len(row)
                 answer = tok.decode(row, skip_special_tokens=True)
                 turns = [{"from": "system" if m["role"] == "system" else "human", "value": m["content"]} for m in first]
-                f.write(json.dumps({"id": i, "conversations": turns + [{"from": "gpt", "value": answer}]}) + "\n")
+                reply = {"from": "gpt", "value": answer, "truncated": o.finish_reason != "eos"}
+                f.write(json.dumps({"id": i, "conversations": turns + [reply]}) + "\n")
             f.flush()
             bar.update(len(batch))
             bar.set_postfix(tok_per_s=f"{new_tokens / max(t_gen, 1e-9):.0f}")
