@@ -315,3 +315,14 @@ def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features,
     assert rep["answered"] == 1 and rep["already_done"] == 6
     again = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in again) == list(range(7)) and again[-1] == recs[-1]
+
+
+def test_head_metadata_has_no_machine_paths():
+    from pathlib import Path
+
+    from eaglespec.train.trainer import _portable
+
+    cfg = {"features": f"{Path.home()}/f/a,{Path.cwd()}/b", "out": "/tmp/x", "init": "", "lr": 1e-4}
+    assert _portable(cfg) == {"features": "~/f/a,b", "out": "/tmp/x", "init": "", "lr": 1e-4}
+    shipped = Path(__file__).parents[1] / "src/eaglespec/heads/smollm2-135m-instruct/config.json"
+    assert "/root/" not in shipped.read_text() and "/work/" not in shipped.read_text()

@@ -366,13 +366,24 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     bar.close()
     if acc.is_main_process:
         final = acc.unwrap_model(head_p)
-        final.metadata = {"train_config": asdict(cfg), "steps": step, "tokens_seen": state["tokens_seen"],
+        final.metadata = {"train_config": _portable(asdict(cfg)), "steps": step, "tokens_seen": state["tokens_seen"],
                           "train_time_s": state["train_time_s"], "evals": state["evals"]}
         if cfg.init:  # the history of the head this run continued
             final.metadata["init_metadata"] = read_head_config(Path(cfg.init)).get("metadata", {})
         final.save_pretrained(out / "head")
         plot_curves(state, out / "curves.png")
     return state
+
+
+def _portable(config: dict) -> dict:
+    """Paths in a shipped head's metadata without this machine's home or working folder."""
+    home, cwd = str(Path.home()), str(Path.cwd())
+
+    def short(p: str) -> str:
+        return p.replace(cwd + "/", "").replace(home, "~")
+
+    return {k: ",".join(short(p) for p in v.split(",")) if k in ("features", "out", "init") and v else v
+            for k, v in config.items()}
 
 
 def save_checkpoint(out: Path, head: EagleDraftHead, opt: torch.optim.Optimizer, state: dict) -> None:
