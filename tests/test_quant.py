@@ -206,14 +206,16 @@ def test_compiled_target_greedy_equals_its_vanilla():
     from eaglespec.models import compile_decoder
 
     torch._dynamo.reset()
-    model = tiny_target("llama", layers=1)
-    head = good_head(model)
-    eager = Engine(model, None).generate(PROMPTS[0], 24, method="vanilla").token_ids
-    compile_decoder(model)
-    before = torch._dynamo.utils.counters["frames"]["ok"]
-    vanilla = Engine(model, None).generate(PROMPTS[0], 24, method="vanilla").token_ids
-    for tree in ("paper", "chain:2"):
-        assert Engine(model, head, tree=tree).generate(PROMPTS[0], 24).token_ids == vanilla, tree
-    assert torch._dynamo.utils.counters["frames"]["ok"] > before
-    assert vanilla == eager  # tiny logits have wide margins: the rounding difference never flips a token here
-    torch._dynamo.reset()
+    try:
+        model = tiny_target("llama", layers=1)
+        head = good_head(model)
+        eager = Engine(model, None).generate(PROMPTS[0], 24, method="vanilla").token_ids
+        compile_decoder(model)
+        before = torch._dynamo.utils.counters["frames"]["ok"]
+        vanilla = Engine(model, None).generate(PROMPTS[0], 24, method="vanilla").token_ids
+        for tree in ("paper", "chain:2"):
+            assert Engine(model, head, tree=tree).generate(PROMPTS[0], 24).token_ids == vanilla, tree
+        assert torch._dynamo.utils.counters["frames"]["ok"] > before
+        assert vanilla == eager  # tiny logits have wide margins: the rounding difference never flips a token here
+    finally:
+        torch._dynamo.reset()  # compiled graphs must not leak into later tests, pass or fail
