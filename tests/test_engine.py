@@ -257,20 +257,47 @@ def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
     law = exact_three_token_law(model, ids, sp).flatten()
     # dynamic:3,3,0 is auto; with free verification every frontier node draws top_k siblings
     eng = Engine(model, head, tree=tree, draft_sampling=draft_sampling, costs=synthetic_costs(0.0, 0.0))
-    n = 4000
+    assert_law(lambda s: eng.generate(ids, 3, sampling=sp, seed=s).token_ids, law, V, 4000)
+
+
+def assert_law(sample, law: torch.Tensor, V: int, n: int) -> None:
+    """n draws of three tokens (`sample(seed)`) follow `law` over V**3 outcomes (chi-square)."""
     counts = torch.zeros(V ** 3)
     for s in range(n):
-        t = eng.generate(ids, 3, sampling=sp, seed=s).token_ids
+        t = sample(s)
         counts[t[0] * V * V + t[1] * V + t[2]] += 1
     keep = law > 0
     assert counts[~keep].sum() == 0
     # pool rare outcomes so every expected count is >= 5
-    exp = law[keep] * n
-    obs = counts[keep]
+    exp, obs = law[keep] * n, counts[keep]
     big = exp >= 5
     f_obs = torch.cat([obs[big], obs[~big].sum()[None]]).numpy()
     f_exp = torch.cat([exp[big], exp[~big].sum()[None]]).numpy()
     assert chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("draft_sampling,tree", [("sample", "chain:1+lookup:3"), ("sample", "dynamic:3,3,0+lookup")])
+def test_sampling_law_with_prompt_lookup_grafts(draft_sampling, tree):
+    """Lookup guesses are deterministic proposals next to sampled (or top-k) drafts: the law of the
+    output is still the target's, and the guesses were really accepted."""
+    V = 8
+    model = tiny_target("llama", seed=11, vocab=V)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.3)
+    head = good_head(model)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
+    ids = [v for x in range(V) for v in (3, x, 4)] + [3]  # 3 -> anything -> 4: every first token has a match
+    law = exact_three_token_law(model, ids, sp).flatten()
+    eng = Engine(model, head, tree=tree, draft_sampling=draft_sampling, costs=synthetic_costs(0.0, 0.0))
+    grafted = []
+
+    def sample(s: int) -> list[int]:
+        out = eng.generate(ids, 3, sampling=sp, seed=s)
+        grafted.append(out.stats.lookup_tokens)
+        return out.token_ids
+
+    assert_law(sample, law, V, 3000)
+    assert sum(grafted) > 100
 
 
 # -- batches: each row decoded with its own accepted lengths equals its own greedy decoding ------
@@ -321,15 +348,5 @@ def test_batch_sampling_law_of_first_three_tokens():
     ids = [2, 5, 3]
     law = exact_three_token_law(model, ids, sp).flatten()
     eng = Engine(model, head, tree=[[0], [1], [0, 0], [0, 1], [1, 0]])
-    n = 3000
-    counts = torch.zeros(V ** 3)
-    for s in range(n):
-        t = eng.generate_batch([ids, [4, 4, 6, 1, 7, 2]], 3, sampling=sp, seed=s)[0].token_ids
-        counts[t[0] * V * V + t[1] * V + t[2]] += 1
-    keep = law > 0
-    assert counts[~keep].sum() == 0
-    exp, obs = law[keep] * n, counts[keep]
-    big = exp >= 5
-    f_obs = torch.cat([obs[big], obs[~big].sum()[None]]).numpy()
-    f_exp = torch.cat([exp[big], exp[~big].sum()[None]]).numpy()
-    assert chisquare(f_obs, f_exp).pvalue > 1e-3
+    assert_law(lambda s: eng.generate_batch([ids, [4, 4, 6, 1, 7, 2]], 3, sampling=sp, seed=s)[0].token_ids,
+               law, V, 3000)

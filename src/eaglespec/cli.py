@@ -29,7 +29,7 @@ QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla 
               "model; int4 is the fast one on CPU)")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve); append +lookup[:L] to graft up "
-             "to L (default 8) prompt-lookup tokens onto every tree at temperature 0, batch 1")
+             "to L (default 8) prompt-lookup tokens onto every tree (batch size 1)")
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:

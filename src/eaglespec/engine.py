@@ -123,7 +123,7 @@ class Engine:
         if self.head is not None and (quant or getattr(model.config, "eaglespec_kernels", None) == "packed"):
             # a CPU-tuned target gets a CPU-tuned head: drafting must stay cheap next to a fast step
             self.head.pack("int4" if quant == "int4" else "packed")
-        tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (greedy, batch 1)
+        tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (batch 1)
         spec = parse_spec(tree)
         # a static tree is built once; a dynamic one is regrown by the head every round
         self.dynamic: DynamicTree | None = spec if isinstance(spec, DynamicTree) else None
@@ -239,7 +239,7 @@ class Engine:
             self.costs = load_or_measure(self)
         depth = self.dynamic.depth if self.dynamic else self.tree.max_depth
         max_nodes = (self.dynamic.total_tokens or self.dynamic.max_nodes) if self.dynamic else self.tree.n
-        lookup = self.lookup if eagle and sp.greedy and len(prompts) == 1 else 0
+        lookup = self.lookup if eagle and len(prompts) == 1 else 0
         depth, max_nodes = max(depth, lookup), max_nodes + lookup
         lens = [len(ids) for ids in prompts]
         # + depth + 1: a row may overshoot its budget by one accepted path before it leaves the batch,
@@ -305,8 +305,8 @@ class Engine:
             if use_tree:
                 node_tokens, node_q, cur = self._draft(rows, head_cache, sp, gen, ta)
                 if lookup:
-                    drafted, (node_tokens, node_q, cur) = cur, self._graft(cur, node_tokens[0], rows[0].history,
-                                                                           lookup, ta)
+                    drafted, (node_tokens, node_q, cur) = cur, self._graft(cur, node_tokens[0], node_q[0],
+                                                                           rows[0].history, lookup, ta)
             else:
                 node_tokens, node_q, cur = [[r.root] for r in rows], [[None] for _ in rows], self.plain
             tb = self._clock()
@@ -591,11 +591,13 @@ class Engine:
         _, then = self.costs.best_size(sorted(gains + guess, reverse=True), spent + self.costs.draft_level_s)
         return then > now
 
-    def _graft(self, tree: TreeBuffers, tokens: list[int], history: list[int], n: int, t_round: float
-               ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
-        """The drafted tree plus a chain of up to n prompt-lookup guesses under its root (greedy
-        only: a guessed node has no draft law; any tree is lossless when acceptance is argmax).
-        With `auto`, the chain is cut where one more guess no longer raises tokens per second."""
+    def _graft(self, tree: TreeBuffers, tokens: list[int], qs: list[torch.Tensor | None], history: list[int], n: int,
+               t_round: float) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
+        """The drafted tree plus a chain of up to n prompt-lookup guesses under its root. A guess is a
+        deterministic proposal (law None, one-hot): greedy acceptance is argmax as ever, and speculative
+        sampling accepts it with the residual's probability of that token, after the head's siblings,
+        so the output law is the target's whatever was guessed. With `auto`, the chain is cut where one
+        more guess no longer raises tokens per second."""
         guess = prompt_lookup(history, n)
         if guess and self.dynamic is not None and self.dynamic.auto:
             # at least one guess: the first position's rate keeps being measured
@@ -603,9 +605,9 @@ class Engine:
         paths, toks, self._chain = graft_chain(tree.paths, tokens, guess)
         if len(paths) > tree.n:
             new = build_tree([list(p) for p in paths[1:]])
-            tok_of = dict(zip(paths, toks))
-            tree, tokens = new, [tok_of[p] for p in new.paths]
-        return [tokens], [[None] * tree.n], tree
+            tok_of, q_of = dict(zip(paths, toks)), dict(zip(tree.paths, qs))
+            tree, tokens, qs = new, [tok_of[p] for p in new.paths], [q_of.get(p) for p in new.paths]
+        return [tokens], [qs], tree
 
     @staticmethod
     def _lookup_prior(k: int) -> float:
