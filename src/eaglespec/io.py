@@ -1,4 +1,4 @@
-"""Atomic file writes: write to a temporary file in the same folder, then rename over the target."""
+"""File helpers. Atomic writes: write to a temporary file in the same folder, then rename over the target."""
 
 from __future__ import annotations
 
@@ -47,3 +47,12 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.Pat
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     _atomic(path, lambda tmp: torch.save(obj, tmp))
+
+
+def short_path(path: str | os.PathLike) -> str:
+    """A path as reports and shipped metadata show it: relative to the working folder when inside
+    it, else with the home folder as ~ (no machine-specific prefixes in committed files)."""
+    p, cwd, home = str(path), str(Path.cwd()), str(Path.home())
+    if p.startswith(cwd + os.sep):
+        return p[len(cwd) + 1:]
+    return "~" + p[len(home):] if p == home or p.startswith(home + os.sep) else p

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from ..engine import Engine
 from ..errors import EaglespecError
-from ..io import atomic_write_json, atomic_write_text
+from ..io import atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
 from ..verify import SamplingParams
 from .datasets import load_questions
@@ -357,7 +357,7 @@ def _f(x, nd=2, pct=False):
 def report_markdown(result: dict) -> str:
     cfg, mach = result["config"], result["machine"]
     lines = [f"# eaglespec benchmark", "",
-             f"- model: `{cfg['model']}`, head: `{cfg['head']}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
+             f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
              f"{cfg.get('quantize') if cfg.get('quantize') in ('int8', 'int4') else 'fp32'}{' (oneDNN pre-packed)' if cfg.get('packed') else ''}{', torch.compile' if cfg.get('compile') else ''}",
              f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from ..cache import KVCache
 from ..errors import CheckpointError, EaglespecError
 from ..head import EagleDraftHead, read_head_config
-from ..io import atomic_torch_save, atomic_write_json, atomic_write_text
+from ..io import atomic_torch_save, atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
 from ..tree import float_mask
 from .extract import read_shard
@@ -376,13 +376,8 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
 
 
 def _portable(config: dict) -> dict:
-    """Paths in a shipped head's metadata without this machine's home or working folder."""
-    home, cwd = str(Path.home()), str(Path.cwd())
-
-    def short(p: str) -> str:
-        return p.replace(cwd + "/", "").replace(home, "~")
-
-    return {k: ",".join(short(p) for p in v.split(",")) if k in ("features", "out", "init") and v else v
+    """A training config as shipped head metadata: its paths without this machine's prefixes."""
+    return {k: ",".join(short_path(p) for p in v.split(",")) if k in ("features", "out", "init") and v else v
             for k, v in config.items()}
 
 
