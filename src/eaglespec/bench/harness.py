@@ -348,10 +348,10 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def _f(x, nd=2, pct=False):
+def _f(x, nd=2, pct=False, unit=""):
     if x is None:
         return "n/a"
-    return f"{100 * x:.0f}%" if pct else f"{x:.{nd}f}"
+    return f"{100 * x:.0f}%" if pct else f"{x:.{nd}f}{unit}"
 
 
 def report_markdown(result: dict) -> str:
@@ -373,8 +373,8 @@ def report_markdown(result: dict) -> str:
             split = r.get("time_split")
             split_s = "/".join(_f(split[k], pct=True) for k in ("draft", "verify", "other")) if split else "n/a"
             eq = {True: "yes", False: "**NO**", None: "n/a"}[r["greedy_equal"]]
-            lines.append(f"| {r['method']} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup_vs_vanilla'])}x | "
-                         f"{_f(r['speedup_vs_hf'])}x | {_f(r['median_ratio_vs_vanilla'])}x | {_f(r.get('tau'))} | "
+            lines.append(f"| {r['method']} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup_vs_vanilla'], unit='x')} | "
+                         f"{_f(r['speedup_vs_hf'], unit='x')} | {_f(r['median_ratio_vs_vanilla'], unit='x')} | {_f(r.get('tau'))} | "
                          + " | ".join(_f(a) for a in na[:5]) + f" | {split_s} | {r['new_tokens']} | {eq} |")
         lines.append("")
     if result.get("batch_summary"):
@@ -384,7 +384,7 @@ def report_markdown(result: dict) -> str:
         for r in result["batch_summary"]:
             eq = {True: "yes", False: "**NO**", None: "n/a"}[r["greedy_equal"]]
             lines.append(f"| {r['dataset']} | {r['temperature']} | {r['batch_size']} | {r['batches']} | "
-                         f"{_f(r['vanilla_tokens_per_s'], 1)} | {_f(r['eagle_tokens_per_s'], 1)} | {_f(r['speedup'])}x | "
+                         f"{_f(r['vanilla_tokens_per_s'], 1)} | {_f(r['eagle_tokens_per_s'], 1)} | {_f(r['speedup'], unit='x')} | "
                          f"{_f(r['tau'])} | {eq} |")
         lines.append("")
     for k, why in result["skipped"].items():
