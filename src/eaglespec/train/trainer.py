@@ -193,7 +193,8 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
     return total, info
 
 
-def unroll_head(head: EagleDraftHead, ids: torch.Tensor, x_f: torch.Tensor, steps: int, cache=None,
+def unroll_head(head: EagleDraftHead, ids: torch.Tensor, x_f: torch.Tensor, steps: int,
+                cache: "KVCache | DynamicCache | None" = None,
                 later: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Run the head `steps` times the way drafting does; yield (s, anchors, at, prediction) per step.
 
