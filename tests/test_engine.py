@@ -247,17 +247,21 @@ def exact_three_token_law(model, ids, sp):
                                                  ("topk", "dynamic:3,2,6"),
                                                  ("sample", "dynamic:3,3,7"), ("sample", "dynamic:3,3,0")])
 def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
-    V = 8
-    model = tiny_target("llama", seed=11, vocab=V)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.3)  # flatter distributions: every branch matters
-    head = good_head(model)
-    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
+    V, model, head, sp = law_setup()
     ids = [2, 5, 3]
     law = exact_three_token_law(model, ids, sp).flatten()
     # dynamic:3,3,0 is auto; with free verification every frontier node draws top_k siblings
     eng = Engine(model, head, tree=tree, draft_sampling=draft_sampling, costs=synthetic_costs(0.0, 0.0))
     assert_law(lambda s: eng.generate(ids, 3, sampling=sp, seed=s).token_ids, law, V, 4000)
+
+
+def law_setup() -> tuple[int, torch.nn.Module, object, SamplingParams]:
+    """The law tests' target: 8 tokens, flattened distributions (every branch matters), a good head."""
+    V = 8
+    model = tiny_target("llama", seed=11, vocab=V)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.3)
+    return V, model, good_head(model), SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
 
 
 def assert_law(sample, law: torch.Tensor, V: int, n: int) -> None:
@@ -280,12 +284,7 @@ def assert_law(sample, law: torch.Tensor, V: int, n: int) -> None:
 def test_sampling_law_with_prompt_lookup_grafts(draft_sampling, tree):
     """Lookup guesses are deterministic proposals next to sampled (or top-k) drafts: the law of the
     output is still the target's, and the guesses were really accepted."""
-    V = 8
-    model = tiny_target("llama", seed=11, vocab=V)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.3)
-    head = good_head(model)
-    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
+    V, model, head, sp = law_setup()
     ids = [v for x in range(V) for v in (3, x, 4)] + [3]  # 3 -> anything -> 4: every first token has a match
     law = exact_three_token_law(model, ids, sp).flatten()
     eng = Engine(model, head, tree=tree, draft_sampling=draft_sampling, costs=synthetic_costs(0.0, 0.0))
@@ -339,12 +338,7 @@ def test_batch_rejects_dynamic_trees(tiny_pair):
 
 def test_batch_sampling_law_of_first_three_tokens():
     """Row 0's law in a ragged batch of two (the other row longer, advancing differently)."""
-    V = 8
-    model = tiny_target("llama", seed=11, vocab=V)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.3)
-    head = good_head(model)
-    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
+    V, model, head, sp = law_setup()
     ids = [2, 5, 3]
     law = exact_three_token_law(model, ids, sp).flatten()
     eng = Engine(model, head, tree=[[0], [1], [0, 0], [0, 1], [1, 0]])
