@@ -1,6 +1,7 @@
 """Training: the loss by hand, the shift, the mask, eval without noise, exact resume, bad shards."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -315,6 +316,10 @@ def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features,
     assert rep["answered"] == 1 and rep["already_done"] == 6
     again = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in again) == list(range(7)) and again[-1] == recs[-1]
+    # a slice: ids keep their place in the whole split, so files of several slices concatenate
+    part = tmp_path / "part.jsonl"
+    rep = regenerate(replace(cfg, out=str(part), first_conversation=5))
+    assert [json.loads(x) for x in part.read_text().splitlines()] == [r for r in recs if r["id"] >= 5]
 
 
 def test_head_metadata_has_no_machine_paths():

@@ -32,6 +32,7 @@ class RegenerateConfig:
     max_prompt_len: int = 512
     max_new_tokens: int = 256
     max_conversations: int = 1000
+    first_conversation: int = 0  # start of the slice: split the work across machines, or skip what a head already saw
     batch_size: int = 32
     heldout: int = 100  # the same held-out split as `extract`, so held-out prompts are never answered
     seed: int = 0
@@ -56,7 +57,7 @@ def _done_ids(path: Path) -> set[int]:
 
 @torch.inference_mode()
 def regenerate(cfg: RegenerateConfig) -> dict:
-    """Answer the first user turn of the first `max_conversations` training-split conversations with
+    """Answer the first user turn of training-split conversations `first_conversation` up to `max_conversations` with
     the target's greedy decoding (vanilla, batched), appending to `cfg.out`; returns counts and speed."""
     from ..engine import Engine
     from ..models import eos_ids, load_target
@@ -69,6 +70,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     train_convs, _ = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)
     prompts = []
     for i, conv in enumerate(train_convs[: cfg.max_conversations]):
+        if i < cfg.first_conversation:
+            continue
         first = [m for m in conv if m["role"] == "system"][:1] + [next(m for m in conv if m["role"] == "user")]
         ids = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
         if len(ids) <= cfg.max_prompt_len:
