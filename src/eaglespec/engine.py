@@ -616,9 +616,8 @@ class Engine:
     def _lookup_rates(self, n: int) -> list[float]:
         """How often each of a graft's first n guesses was accepted lately; a guess's rate never
         exceeds the one before it, which must be accepted first."""
-        rates, low = [], 1.0
+        rates, low, h = [], 1.0, self._lookup_hits
         for k in range(n):
-            h = self._lookup_hits
             low = min(low, self._lookup_prior(k) if k >= len(h) else self._ratio(h[k], 0.01))
             rates.append(low)
         return rates
