@@ -53,7 +53,7 @@ def test_greedy_equals_hf_generate_random_head(smol):
     d2t = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:8192].sort().values
     head = EagleDraftHead(model.config, draft_vocab=d2t).bind(model)
     eng = Engine(model, head, tree="paper")
-    for text in PROMPTS[:3]:  # ~1 token per round: every round rejects, three prompts show it as well as five
+    for text in PROMPTS[:3]:  # ~1 token per round: nearly every round rejects; three prompts show that as well as five
         ids = chat(tok, text)
         ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=128, do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
