@@ -318,8 +318,10 @@ def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features,
     assert sorted(r["id"] for r in again) == list(range(7)) and again[-1] == recs[-1]
     # a slice: ids keep their place in the whole split, so files of several slices concatenate
     part = tmp_path / "part.jsonl"
-    rep = regenerate(replace(cfg, out=str(part), first_conversation=5))
+    regenerate(replace(cfg, out=str(part), first_conversation=5))
     assert [json.loads(x) for x in part.read_text().splitlines()] == [r for r in recs if r["id"] >= 5]
+    with pytest.raises(EaglespecError, match="first-conversation"):
+        regenerate(replace(cfg, out=str(part), first_conversation=-1))
 
 
 def test_head_metadata_has_no_machine_paths():

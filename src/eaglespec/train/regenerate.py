@@ -57,21 +57,21 @@ def _done_ids(path: Path) -> set[int]:
 
 @torch.inference_mode()
 def regenerate(cfg: RegenerateConfig) -> dict:
-    """Answer the first user turn of training-split conversations `first_conversation` up to `max_conversations` with
-    the target's greedy decoding (vanilla, batched), appending to `cfg.out`; returns counts and speed."""
+    """Answer the first user turn of training-split conversations [`first_conversation`, `max_conversations`)
+    with the target's greedy decoding (vanilla, batched), appending to `cfg.out`; returns counts and speed."""
     from ..engine import Engine
     from ..models import eos_ids, load_target
 
     out = Path(cfg.out)
     if out.suffix != ".jsonl":
         raise EaglespecError(f"--out must be a .jsonl file, got {out}")
+    if cfg.first_conversation < 0:
+        raise EaglespecError(f"--first-conversation must be >= 0, got {cfg.first_conversation}")
     out.parent.mkdir(parents=True, exist_ok=True)
     model, tok = load_target(cfg.model, packed=True)  # pre-packed weights: batched steps are far cheaper on CPU
     train_convs, _ = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)
     prompts = []
-    for i, conv in enumerate(train_convs[: cfg.max_conversations]):
-        if i < cfg.first_conversation:
-            continue
+    for i, conv in enumerate(train_convs[cfg.first_conversation: cfg.max_conversations], start=cfg.first_conversation):
         first = [m for m in conv if m["role"] == "system"][:1] + [next(m for m in conv if m["role"] == "user")]
         ids = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
         if len(ids) <= cfg.max_prompt_len:
