@@ -329,6 +329,24 @@ def test_batch_rows_finish_at_different_times(tiny_pair):
     assert outs[0].finish_reason == "eos" and len(outs[0].token_ids) <= 8
 
 
+@pytest.mark.parametrize("method", ["eagle", "vanilla"])
+def test_batch_returns_the_features_of_every_fed_token(tiny_pair, method):
+    """return_features: prompt + tokens[:-1], equal to one plain forward over them, also when a row
+    stops at an EOS in the middle of an accepted path."""
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="paper")
+    eos = hf_greedy(model, PROMPTS[0], 40)[6]
+    outs = eng.generate_batch(PROMPTS, 40, method=method, eos_token_ids=[eos], return_features=True)
+    assert outs[0].finish_reason == "eos"
+    for ids, o in zip(PROMPTS, outs):
+        seq = ids + o.token_ids[:-1]
+        assert o.features.shape == (len(seq), model.config.hidden_size)
+        with torch.no_grad():
+            want = model.get_decoder()(input_ids=torch.tensor([seq])).last_hidden_state[0]
+        torch.testing.assert_close(o.features, want, atol=1e-4, rtol=1e-4)
+    assert all(o.features is None for o in eng.generate_batch(PROMPTS, 5, method=method))
+
+
 def test_batch_rejects_dynamic_trees(tiny_pair):
     model, head = tiny_pair
     with pytest.raises(EaglespecError, match="dynamic"):

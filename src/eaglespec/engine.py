@@ -67,6 +67,9 @@ class GenerationOutput:
     token_ids: list[int]
     finish_reason: str  # "eos" | "length" | "context"
     stats: GenerationStats
+    # with return_features: the target's final-norm hidden states of prompt + token_ids[:-1] (the last
+    # token is never fed), fp32 on the CPU -- training data for a head without a second forward pass
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -205,7 +208,8 @@ class Engine:
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int = 128,
                        sampling: SamplingParams | None = None, method: str = "eagle", seed: int | None = None,
-                       eos_token_ids: list[int] | None = None) -> list[GenerationOutput]:
+                       eos_token_ids: list[int] | None = None, return_features: bool = False
+                       ) -> list[GenerationOutput]:
         """Decode several prompts together: one target forward per round verifies every sequence's
         tree, and each sequence keeps its own accepted length (ragged rows in one KV cache)."""
         if not prompts:
@@ -213,16 +217,24 @@ class Engine:
         stats = [GenerationStats() for _ in prompts]
         tokens: list[list[int]] = [[] for _ in prompts]
         reasons = ["length"] * len(prompts)
-        for events in self._decode(prompts, max_new_tokens, sampling, method, seed, eos_token_ids, stats):
+        sink: list[list[torch.Tensor]] | None = [[] for _ in prompts] if return_features else None
+        for events in self._decode(prompts, max_new_tokens, sampling, method, seed, eos_token_ids, stats, sink):
             for i, new, reason in events:
                 tokens[i] += new
                 reasons[i] = reason or "length"
-        return [GenerationOutput(t, r, st) for t, r, st in zip(tokens, reasons, stats)]
+        outs = [GenerationOutput(t, r, st) for t, r, st in zip(tokens, reasons, stats)]
+        if sink is not None:
+            for o, ids, parts in zip(outs, prompts, sink):
+                # fed positions can run past the last emitted token (accepted nodes after an EOS)
+                o.features = torch.cat(parts)[: len(ids) + len(o.token_ids) - 1].float().cpu()
+        return outs
 
     def _decode(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None, method: str,
-                seed: int | None, eos_token_ids: list[int] | None,
-                stats: list[GenerationStats]) -> Iterator[list[tuple[int, list[int], str | None]]]:
-        """The loop. Yields, once per target forward, (row, new tokens, finish reason or None) events."""
+                seed: int | None, eos_token_ids: list[int] | None, stats: list[GenerationStats],
+                feature_sink: list[list[torch.Tensor]] | None = None
+                ) -> Iterator[list[tuple[int, list[int], str | None]]]:
+        """The loop. Yields, once per target forward, (row, new tokens, finish reason or None) events.
+        `feature_sink[i]` collects row i's features of every token fed to the target, in order."""
         sp = sampling or SamplingParams()
         for ids in prompts:
             self.check_request(ids, max_new_tokens, method)
@@ -265,6 +277,8 @@ class Engine:
             if lookup:
                 r.history = prompts[r.index] + [r.root]
             r.stats.prefill_time_s = self._clock() - t0
+            if feature_sink is not None:
+                feature_sink[r.index].append(feats[r.index, :r.n_ctx])
         head_cache = KVCache(cache.max_len) if eagle else None
 
         def emit(r: _Row, new: list[int]) -> tuple[int, list[int], str | None]:
@@ -320,8 +334,10 @@ class Engine:
             for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
                 r.n_ctx += len(keep)
                 accepted = [node_tokens[b][i] for i in path] + [bonus]
+                f = feats[b, keep]
+                if feature_sink is not None:
+                    feature_sink[r.index].append(f)
                 if eagle:
-                    f = feats[b, keep]
                     r.pending = (f, accepted) if use_tree else (torch.cat([r.pending[0], f]), r.pending[1] + accepted)
                 r.root = bonus
                 r.stats.rounds += 1

@@ -71,15 +71,27 @@ def _shard(model, items: list[tuple[list[int], list[int]]], vocab: int, batch_to
             feats[i] = f
             bar.update(len(items[i][0]))
         start = end
-    ids = torch.tensor([t for x, _ in items for t in x], dtype=torch.int32)
-    mask = torch.tensor([m for _, ms in items for m in ms], dtype=torch.uint8)
-    f = torch.cat(feats)  # type: ignore[arg-type]
-    if f.abs().max() > 60000:
+    return pack_shard([(ids, mask, f) for (ids, mask), f in zip(items, feats)], vocab)  # type: ignore[misc]
+
+
+def pack_shard(items: list[tuple[list[int], list[int], torch.Tensor]], vocab: int) -> dict[str, torch.Tensor]:
+    """(input ids, loss mask, features) per conversation -> one shard's tensors."""
+    ids = torch.tensor([t for x, _, _ in items for t in x], dtype=torch.int32)
+    mask = torch.tensor([m for _, ms, _ in items for m in ms], dtype=torch.uint8)
+    f = torch.cat([f for _, _, f in items]) if items else torch.zeros(0, 0)
+    if f.numel() and f.abs().max() > 60000:
         raise EaglespecError("features overflow float16; this target needs bf16 feature storage")
-    lengths = torch.tensor([0] + [len(x) for x, _ in items], dtype=torch.int64)
+    lengths = torch.tensor([0] + [len(x) for x, _, _ in items], dtype=torch.int64)
     counts = torch.bincount(ids[mask.bool()].long(), minlength=vocab)
     return {"input_ids": ids, "features": f.half(), "loss_mask": mask, "offsets": lengths.cumsum(0),
             "token_counts": counts}
+
+
+def unpack_shard(t: dict[str, torch.Tensor]) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """The inverse of `pack_shard`: one (ids, mask, features) item per conversation."""
+    off = t["offsets"].tolist()
+    return [(t["input_ids"][a:b].tolist(), t["loss_mask"][a:b].tolist(), t["features"][a:b])
+            for a, b in zip(off, off[1:])]
 
 
 def extract(cfg: ExtractConfig) -> dict:

@@ -8,6 +8,12 @@ much more from ChatGPT's, which is where it pays.
 Output: a JSONL of ``{"id", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`` records
 (first user turn of each conversation, the target's greedy answer), readable by ``eaglespec extract
 --data``. Written batch by batch with flush; a rerun skips the ids already in the file.
+
+With ``features_out`` the features come out of the decoding itself (every token it fed to the target),
+so no extraction pass is needed: ``features_out/{train,heldout}/shard_<first id>.safetensors`` in
+`extract`'s shard format (plus the conversation ids), input ids exactly as generated. A shard is
+written before its batch's JSONL lines, so a shard naming conversations missing from the JSONL is
+from an interrupted batch: a rerun keeps only its committed conversations and redoes the rest.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import torch
 from tqdm import tqdm
 
 from ..errors import EaglespecError
+from ..io import atomic_save_safetensors
 from .data import load_conversations, split
+from .extract import pack_shard, read_shard, unpack_shard
 
 
 @dataclass
@@ -36,6 +44,8 @@ class RegenerateConfig:
     batch_size: int = 32
     heldout: int = 100  # the same held-out split as `extract`, so held-out prompts are never answered
     seed: int = 0
+    features_out: str = ""  # also write feature shards here (no `eaglespec extract` pass needed)
+    heldout_every: int = 64  # with features_out: conversation ids divisible by this go to heldout/
 
 
 def _done_ids(path: Path) -> set[int]:
@@ -55,6 +65,49 @@ def _done_ids(path: Path) -> set[int]:
     return done
 
 
+def _save_shard(folder: Path, rows: list[tuple[int, tuple]], vocab: int) -> Path:
+    """A shard is named by its first conversation id; ids live in one shard only, so names never clash."""
+    shard = pack_shard([item for _, item in rows], vocab)
+    shard["conv_ids"] = torch.tensor([i for i, _ in rows], dtype=torch.int64)
+    path = folder / f"shard_{rows[0][0]:06d}.safetensors"
+    atomic_save_safetensors(shard, path)
+    return path
+
+
+def _reconcile_shards(folder: Path, done: set[int]) -> None:
+    """Keep in the shards only conversations the JSONL holds (an interrupted batch wrote its shard but
+    not all its lines), each once."""
+    seen: set[int] = set()
+    for path in sorted(folder.glob("*/shard_*.safetensors")):
+        t = read_shard(path)
+        if "conv_ids" not in t:
+            raise EaglespecError(f"{path}: not a regenerate feature shard (no conv_ids)")
+        conv = t["conv_ids"].tolist()
+        keep = [c in done and c not in seen for c in conv]
+        seen.update(conv)
+        if all(keep):
+            continue
+        kept = [(c, item) for c, item, k in zip(conv, unpack_shard(t), keep) if k]
+        if kept and _save_shard(path.parent, kept, t["token_counts"].numel()) == path:
+            continue
+        path.unlink()
+
+
+def _write_feature_shards(folder: Path, batch: list[tuple[int, list, list[int]]], outs: list, vocab: int,
+                          heldout_every: int) -> None:
+    """One shard per split for this batch: prompt + answer (its last token, never fed, dropped)."""
+    parts: dict[str, list] = {"train": [], "heldout": []}
+    for (i, _, prompt), o in zip(batch, outs):
+        n = len(o.token_ids) - 1
+        if n < 1:
+            continue
+        item = (prompt + o.token_ids[:-1], [0] * len(prompt) + [1] * n, o.features)
+        parts["heldout" if i % heldout_every == 0 else "train"].append((i, item))
+    for name, rows in parts.items():
+        if rows:
+            _save_shard(folder / name, rows, vocab)
+
+
 @torch.inference_mode()
 def regenerate(cfg: RegenerateConfig) -> dict:
     """Answer the first user turn of training-split conversations [`first_conversation`, `max_conversations`)
@@ -67,6 +120,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         raise EaglespecError(f"--out must be a .jsonl file, got {out}")
     if cfg.first_conversation < 0:
         raise EaglespecError(f"--first-conversation must be >= 0, got {cfg.first_conversation}")
+    if cfg.heldout_every < 1:
+        raise EaglespecError(f"--heldout-every must be >= 1, got {cfg.heldout_every}")
     out.parent.mkdir(parents=True, exist_ok=True)
     model, tok = load_target(cfg.model, packed=True)  # pre-packed weights: batched steps are far cheaper on CPU
     train_convs, _ = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)
@@ -77,6 +132,11 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         if len(ids) <= cfg.max_prompt_len:
             prompts.append((i, first, ids))
     done = _done_ids(out)
+    feat_dir = Path(cfg.features_out) if cfg.features_out else None
+    if feat_dir is not None:
+        for name in ("train", "heldout"):
+            (feat_dir / name).mkdir(parents=True, exist_ok=True)
+        _reconcile_shards(feat_dir, done)
     todo = [p for p in prompts if p[0] not in done]
     win = cfg.batch_size * 8  # sorted by length within windows: little padding, yet a fair sample if stopped early
     todo = [p for w in range(0, len(todo), win) for p in sorted(todo[w: w + win], key=lambda p: len(p[2]))]
@@ -88,8 +148,11 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         for b in range(0, len(todo), cfg.batch_size):
             batch = todo[b: b + cfg.batch_size]
             t0 = time.perf_counter()
-            outs = eng.generate_batch([p[2] for p in batch], cfg.max_new_tokens, method="vanilla", eos_token_ids=stop)
+            outs = eng.generate_batch([p[2] for p in batch], cfg.max_new_tokens, method="vanilla", eos_token_ids=stop,
+                                      return_features=feat_dir is not None)
             t_gen += time.perf_counter() - t0
+            if feat_dir is not None:  # before the JSONL lines: see the module docstring
+                _write_feature_shards(feat_dir, batch, outs, model.config.vocab_size, cfg.heldout_every)
             for (i, first, _), o in zip(batch, outs):
                 row = [t for t in o.token_ids if t not in stop]
                 new_tokens += len(row)
