@@ -328,6 +328,8 @@ def test_regenerate_features_equal_an_extraction_of_the_same_tokens_and_survive_
     """--features-out: each conversation is prompt + answer (its last token dropped: never fed) with
     extract's features of exactly those ids; a batch cut between its shard and its JSONL lines is
     redone without a duplicate."""
+    from transformers import AutoTokenizer
+
     from eaglespec.models import load_target
     from eaglespec.train.extract import features_for
     from eaglespec.train.regenerate import RegenerateConfig, regenerate
@@ -361,10 +363,10 @@ def test_regenerate_features_equal_an_extraction_of_the_same_tokens_and_survive_
         assert n_answer >= 1 and mask == [0] * (len(ids) - n_answer) + [1] * n_answer
         torch.testing.assert_close(f, features_for(model, [ids])[0], atol=2e-3, rtol=2e-3)  # fp16 storage
     # the answer in the shard is the JSONL's answer, as generated (its last token aside)
-    tok_dec = __import__("transformers").AutoTokenizer.from_pretrained(root / "model")
+    tok = AutoTokenizer.from_pretrained(root / "model")
     for c, (_, ids, mask, _) in got.items():
         answer = [t for t, m in zip(ids, mask) if m]
-        assert recs[c]["conversations"][1]["value"].startswith(tok_dec.decode([t for t in answer if t != 1]))
+        assert recs[c]["conversations"][1]["value"].startswith(tok.decode([t for t in answer if t != 1]))
     assert len(load_split(feats / "train").ids) + len(load_split(feats / "heldout").ids) == 8
     # interrupted after a batch's shards but before all its JSONL lines: the last batch (2 rows) and
     # one row of the batch before lose their lines, so one shard keeps part of its conversations
