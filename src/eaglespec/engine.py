@@ -334,10 +334,10 @@ class Engine:
             for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
                 r.n_ctx += len(keep)
                 accepted = [node_tokens[b][i] for i in path] + [bonus]
-                f = feats[b, keep]
                 if feature_sink is not None:
-                    feature_sink[r.index].append(f)
+                    feature_sink[r.index].append(feats[b, keep])
                 if eagle:
+                    f = feats[b, keep]
                     r.pending = (f, accepted) if use_tree else (torch.cat([r.pending[0], f]), r.pending[1] + accepted)
                 r.root = bonus
                 r.stats.rounds += 1

@@ -78,8 +78,8 @@ def pack_shard(items: list[tuple[list[int], list[int], torch.Tensor]], vocab: in
     """(input ids, loss mask, features) per conversation -> one shard's tensors."""
     ids = torch.tensor([t for x, _, _ in items for t in x], dtype=torch.int32)
     mask = torch.tensor([m for _, ms, _ in items for m in ms], dtype=torch.uint8)
-    f = torch.cat([f for _, _, f in items]) if items else torch.zeros(0, 0)
-    if f.numel() and f.abs().max() > 60000:
+    f = torch.cat([f for _, _, f in items])
+    if f.abs().max() > 60000:
         raise EaglespecError("features overflow float16; this target needs bf16 feature storage")
     lengths = torch.tensor([0] + [len(x) for x, _, _ in items], dtype=torch.int64)
     counts = torch.bincount(ids[mask.bool()].long(), minlength=vocab)
