@@ -383,6 +383,46 @@ def test_regenerate_features_equal_an_extraction_of_the_same_tokens_and_survive_
         regenerate(replace(cfg, heldout_every=0))
 
 
+def test_regenerate_in_bf16_gives_the_bf16_targets_answers_and_near_fp32_features(tiny_features, tmp_path):
+    """--dtype bfloat16: the answers are the bf16 model's own greedy decoding, and the stored features
+    are an fp32 extraction of the same ids to within bf16 rounding (and no closer than fp16 storage
+    alone would leave them: the bf16 path really ran)."""
+    from transformers import AutoTokenizer
+
+    from eaglespec.engine import Engine
+    from eaglespec.models import load_target
+    from eaglespec.train.extract import features_for
+    from eaglespec.train.regenerate import RegenerateConfig, regenerate
+
+    root = tiny_features
+    out, feats = tmp_path / "self.jsonl", tmp_path / "feats"
+    cfg = RegenerateConfig(model=str(root / "model"), out=str(out), data=str(root / "convs.jsonl"),
+                           max_new_tokens=6, max_conversations=6, batch_size=3, heldout=4,
+                           features_out=str(feats), dtype="bfloat16")
+    regenerate(cfg)
+    recs = {json.loads(x)["id"]: json.loads(x) for x in out.read_text().splitlines()}
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    bf16, _ = load_target(str(root / "model"), dtype=torch.bfloat16)
+    eng = Engine(bf16, None)
+    for r in list(recs.values())[:3]:
+        prompt = [{"role": "user", "content": r["conversations"][0]["value"]}]
+        ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        want = eng.generate(ids, 6, method="vanilla", eos_token_ids=[1])
+        assert r["conversations"][1]["value"] == tok.decode([t for t in want.token_ids if t != 1])
+    fp32, _ = load_target(str(root / "model"))
+    errs = []
+    for path in sorted(feats.glob("*/shard_*.safetensors")):
+        t = read_shard(path)
+        off = t["offsets"].tolist()
+        for a, b in zip(off, off[1:]):
+            ref = features_for(fp32, [t["input_ids"][a:b].tolist()])[0]
+            errs.append(((t["features"][a:b].float() - ref).norm(dim=-1) / ref.norm(dim=-1)).mean())
+    err = float(torch.stack(errs).mean())
+    assert len(errs) == len(recs) and 1e-3 < err < 0.05, err
+    with pytest.raises(EaglespecError, match="--dtype"):
+        regenerate(replace(cfg, dtype="float16"))
+
+
 def test_head_metadata_has_no_machine_paths():
     from pathlib import Path
 

@@ -14,6 +14,13 @@ so no extraction pass is needed: ``features_out/{train,heldout}/shard_<first id>
 `extract`'s shard format (plus the conversation ids), input ids exactly as generated. A shard is
 written before its batch's JSONL lines, so a shard naming conversations missing from the JSONL is
 from an interrupted batch: a rerun keeps only its committed conversations and redoes the rest.
+
+``dtype="bfloat16"`` decodes with the target in bf16: about twice as fast on a CPU with bf16 matrix
+units (AMX), for training data that is the target's to within what training ignores (on SmolLM2:
+features within ~2 % of fp32's, top-1 agreement 99.7 %, KL 0.001 nats, against the U(-0.1, 0.1)
+noise put on every input feature and a head that agrees with the target ~60 % of the time). The
+answers are then the bf16 model's greedy ones, which part from fp32's now and then; the head still
+learns the fp32 target's own style. Features are stored in fp16 either way.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ from .data import load_conversations, split
 from .extract import pack_shard, read_shard, unpack_shard
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass
 class RegenerateConfig:
     model: str
@@ -46,6 +56,7 @@ class RegenerateConfig:
     seed: int = 0
     features_out: str = ""  # also write feature shards here (no `eaglespec extract` pass needed)
     heldout_every: int = 64  # with features_out: conversation ids divisible by this go to heldout/
+    dtype: str = "float32"  # or "bfloat16": faster decoding, near-identical data (see the module docstring)
 
 
 def _done_ids(path: Path) -> set[int]:
@@ -122,8 +133,12 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         raise EaglespecError(f"--first-conversation must be >= 0, got {cfg.first_conversation}")
     if cfg.heldout_every < 1:
         raise EaglespecError(f"--heldout-every must be >= 1, got {cfg.heldout_every}")
+    if cfg.dtype not in DTYPES:
+        raise EaglespecError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    model, tok = load_target(cfg.model, packed=True)  # pre-packed weights: batched steps are far cheaper on CPU
+    dtype = DTYPES[cfg.dtype]
+    # fp32: pre-packed weights (batched steps are far cheaper on CPU); bf16 runs oneDNN's bf16 kernels
+    model, tok = load_target(cfg.model, dtype=dtype, packed=dtype == torch.float32)
     train_convs, _ = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)
     prompts = []
     for i, conv in enumerate(train_convs[cfg.first_conversation: cfg.max_conversations], start=cfg.first_conversation):
