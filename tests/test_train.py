@@ -322,6 +322,16 @@ def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features,
     assert [json.loads(x) for x in part.read_text().splitlines()] == [r for r in recs if r["id"] >= 5]
     with pytest.raises(EaglespecError, match="first-conversation"):
         regenerate(replace(cfg, out=str(part), first_conversation=-1))
+    # a length window: the prompts one run's --max-prompt-len skipped are another run's --min-prompt-len
+    lens = {r["id"]: len(tok.apply_chat_template([{"role": "user", "content": r["conversations"][0]["value"]}],
+                                                 add_generation_prompt=True, tokenize=True)) for r in recs}
+    cut = sorted(lens.values())[len(lens) // 2]
+    short, long = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+    regenerate(replace(cfg, out=str(short), max_prompt_len=cut - 1))
+    regenerate(replace(cfg, out=str(long), min_prompt_len=cut))
+    ids = [{json.loads(x)["id"] for x in f.read_text().splitlines()} for f in (short, long)]
+    assert ids[0] == {i for i, n in lens.items() if n < cut} and ids[1] == {i for i, n in lens.items() if n >= cut}
+    assert ids[0] and ids[1]
 
 
 def test_regenerate_features_equal_an_extraction_of_the_same_tokens_and_survive_interruption(tiny_features, tmp_path):

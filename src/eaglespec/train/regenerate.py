@@ -48,6 +48,7 @@ class RegenerateConfig:
     out: str  # a .jsonl file
     data: str = "sharegpt"
     max_prompt_len: int = 512
+    min_prompt_len: int = 0  # answer only longer prompts (e.g. those an earlier run's --max-prompt-len skipped)
     max_new_tokens: int = 256
     max_conversations: int = 1000
     first_conversation: int = 0  # start of the slice: split the work across machines, or skip what a head already saw
@@ -144,7 +145,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     for i, conv in enumerate(train_convs[cfg.first_conversation: cfg.max_conversations], start=cfg.first_conversation):
         first = [m for m in conv if m["role"] == "system"][:1] + [next(m for m in conv if m["role"] == "user")]
         ids = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
-        if len(ids) <= cfg.max_prompt_len:
+        if cfg.min_prompt_len <= len(ids) <= cfg.max_prompt_len:
             prompts.append((i, first, ids))
     done = _done_ids(out)
     feat_dir = Path(cfg.features_out) if cfg.features_out else None
