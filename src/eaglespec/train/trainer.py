@@ -169,6 +169,7 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
     # prompts and padding are a quarter or more of the positions. Soft labels once, for every step.
     with torch.no_grad():
         p_target = core.logits(feats[:, 1:][keep]).float().softmax(-1)
+        arg_target = p_target.argmax(-1)
     row = torch.full((B, T), -1, dtype=torch.long, device=ids.device)
     row[keep] = torch.arange(int(keep.sum()), device=ids.device)
     cache = DynamicCache() if unroll > 1 else None  # concatenating, so autograd sees every step
@@ -180,12 +181,14 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
         m = k.float()
         denom = m.sum().clamp_min(1.0)
         reg = (F.smooth_l1_loss(pred, feats[:, 1:][:, at], reduction="none").mean(-1) * m).sum() / denom
-        p = p_target[r[k]]
-        logp = core.logits(pred[k]).float().log_softmax(-1)
-        ce = -(p * logp).sum() / denom
+        # step 1 predicts every loss position, in order: its soft labels need no gather (a copy of
+        # a positions x draft-vocabulary matrix)
+        p, arg = (p_target, arg_target) if s == 1 else (p_target[r[k]], arg_target[r[k]])
+        logits = core.logits(pred[k]).float()
+        ce = F.cross_entropy(logits, p, reduction="sum") / denom  # soft labels: -sum p log softmax, fused
         total = total + unroll_decay ** (s - 1) * (reg + ce_weight * ce)
         with torch.no_grad():
-            acc = (logp.argmax(-1) == p.argmax(-1)).float().sum() / denom
+            acc = (logits.argmax(-1) == arg).float().sum() / denom
         if s == 1:
             info = {"reg": reg.item(), "ce": ce.item(), "acc": acc.item(), "tokens": int(m.sum())}
         else:
