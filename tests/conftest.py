@@ -53,7 +53,7 @@ def good_head(model) -> EagleDraftHead:
         head.fc.weight.zero_()
         head.fc.weight[:, h:] = torch.eye(h)
         head.fc.bias.zero_()
-        head.layer.load_state_dict(model.model.layers[0].state_dict())
+        head.layers[0].load_state_dict(model.model.layers[0].state_dict())
     return head.eval()
 
 

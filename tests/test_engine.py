@@ -11,6 +11,7 @@ from eaglespec.cache import KVCache
 from eaglespec.costmodel import CostProfile
 from eaglespec.engine import Engine
 from eaglespec.errors import EaglespecError
+from eaglespec.head import EagleDraftHead
 from eaglespec.tree import build_tree
 from eaglespec.verify import SamplingParams, target_probs
 
@@ -38,6 +39,37 @@ def test_greedy_equals_vanilla_and_hf(tiny_pair, tree):
         assert eag.token_ids == ref
         assert eag.stats.new_tokens == 40 and eag.finish_reason == "length"
     assert max(eag.stats.accept_lengths) > 1  # drafts were really accepted
+
+
+@pytest.mark.parametrize("tree", ["paper", "dynamic:3,2,6"])
+def test_two_layer_head(tiny_pair, tree):
+    """A head grown to two layers (the second perturbed so it matters): its cache holds both layers
+    (a prefix then the rest with the cache equals one pass), greedy output is still vanilla's, and
+    drafts are still accepted."""
+    model, head = tiny_pair
+    head.grow(2)
+    with torch.no_grad():
+        head.layers[1].self_attn.o_proj.weight.normal_(0, 0.05)
+        head.layers[1].mlp.down_proj.weight.normal_(0, 0.05)
+    ids = torch.tensor([PROMPTS[0]])
+    f = model.model(input_ids=ids).last_hidden_state
+    pos = torch.arange(ids.shape[1])[None]
+    tok = torch.roll(ids, -1, 1)
+    with torch.no_grad():
+        whole = head(f, tok, pos)
+        cache, cut = KVCache(64), 3
+        parts = [head(f[:, :cut], tok[:, :cut], pos[:, :cut], cache=cache),
+                 head(f[:, cut:], tok[:, cut:], pos[:, cut:], cache=cache)]
+        single = EagleDraftHead(model.config).bind(model)
+        single.load_state_dict(head.state_dict(), strict=False)  # the first layer alone differs
+    assert len(cache.layers) == 2
+    torch.testing.assert_close(torch.cat(parts, 1), whole, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(single(f, tok, pos), whole, atol=1e-3)
+    eng = Engine(model, head, tree=tree)
+    for ids in PROMPTS:
+        eag = eng.generate(ids, 40, method="eagle")
+        assert eag.token_ids == hf_greedy(model, ids, 40)
+    assert max(eag.stats.accept_lengths) > 1
 
 
 def synthetic_costs(per_token: float, level: float) -> CostProfile:

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from eaglespec.errors import CheckpointError, EaglespecError
 from eaglespec.head import EagleDraftHead
@@ -230,6 +230,42 @@ def test_init_starts_from_a_trained_head(tiny_features, tmp_path):
     assert all(torch.allclose(trained[k], continued[k], atol=1e-6) for k in trained)
     meta = json.loads((tmp_path / "b" / "head" / "config.json").read_text())["metadata"]
     assert meta["init_metadata"]["steps"] == 2  # the continued head's history is kept
+
+
+def test_growing_a_head_keeps_its_predictions_and_trains_the_new_layer(tiny_features, tmp_path):
+    """--layers 2 from a one-layer head: the grown head starts as exactly the old one (identity
+    layer), its new layer then learns, and the result saves and loads as a two-layer head; a head
+    written with the old one-layer key names ("layer.") still loads."""
+    from eaglespec.head import EagleDraftHead
+    from eaglespec.models import load_target
+
+    root = tiny_features
+    common = dict(features=str(root / "feats"), model=str(root / "model"), epochs=1, batch_tokens=128,
+                  draft_vocab=0, eval_conversations=2, save_every=50, warmup_steps=2, lr=1e-3)
+    train(TrainConfig(out=str(tmp_path / "a"), max_steps=2, **common))
+    model, _ = load_target(str(root / "model"))
+    one = EagleDraftHead.from_pretrained(tmp_path / "a" / "head", model)
+    f = torch.randn(1, 7, model.config.hidden_size)
+    tok, pos = torch.randint(0, 100, (1, 7)), torch.arange(7)[None]
+    with torch.no_grad():
+        before = one(f, tok, pos)
+        torch.testing.assert_close(one.grow(2)(f, tok, pos), before, atol=0, rtol=0)
+    train(TrainConfig(out=str(tmp_path / "b"), max_steps=3, init=str(tmp_path / "a" / "head"), layers=2, **common))
+    two = EagleDraftHead.from_pretrained(tmp_path / "b" / "head", model)
+    assert two.num_layers == 2 and float(two.layers[1].self_attn.o_proj.weight.abs().max()) > 0
+    with torch.no_grad():
+        assert not torch.allclose(two(f, tok, pos), before, atol=1e-4)
+    # the old key names
+    state = load_file(str(tmp_path / "a" / "head" / "model.safetensors"))
+    old = tmp_path / "old"
+    old.mkdir()
+    save_file({("layer." + k[9:] if k.startswith("layers.0.") else k): v for k, v in state.items()},
+              str(old / "model.safetensors"))
+    (old / "config.json").write_text((tmp_path / "a" / "head" / "config.json").read_text())
+    with torch.no_grad():
+        torch.testing.assert_close(EagleDraftHead.from_pretrained(old, model)(f, tok, pos), before)
+    with pytest.raises(EaglespecError, match="shrink"):
+        two.grow(1)
 
 
 def test_corrupt_shard_names_the_file(tiny_features, tmp_path):

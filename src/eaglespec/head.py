@@ -1,6 +1,9 @@
 """The EAGLE draft head: FC([f_j ; emb(t_{j+1})]) -> one decoder layer of the target's family.
 
-Only ``fc`` and ``layer`` are trained and saved. The embedding and the LM head are the target's
+The paper's head has one layer; ``num_layers`` > 1 stacks more (a capacity lever for small targets,
+whose next feature is harder to extrapolate), and `grow` adds layers that start as the identity, so
+a trained head keeps its predictions exactly while the new layers learn. Only ``fc`` and ``layers``
+are trained and saved. The embedding and the LM head are the target's
 own frozen modules, bound at load time and never copied into the checkpoint.
 """
 
@@ -19,7 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
-from .errors import CheckpointError, HeadMismatchError
+from .errors import CheckpointError, EaglespecError, HeadMismatchError
 from .io import atomic_save_safetensors, atomic_write_json
 from .tree import float_mask
 
@@ -29,11 +32,11 @@ HEAD_FORMAT_VERSION = 1
 INPUT_MODES = ("feature+shifted_token", "feature+unshifted_token", "feature", "token")
 
 
-def _layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
+def _layer_config(target_config: PretrainedConfig, num_layers: int = 1) -> PretrainedConfig:
     cfg = copy.deepcopy(target_config)
-    cfg.num_hidden_layers = 1
+    cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None):
-        cfg.layer_types = [cfg.layer_types[0]]
+        cfg.layer_types = [cfg.layer_types[0]] * num_layers
     if getattr(cfg, "_attn_implementation", None) in (None, "flash_attention_2", "flex_attention"):
         cfg._attn_implementation = "sdpa"
     else:
@@ -57,18 +60,20 @@ def _family_classes(cfg: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Mod
 
 class EagleDraftHead(nn.Module):
     def __init__(self, target_config: PretrainedConfig, input_mode: str = "feature+shifted_token",
-                 draft_vocab: torch.Tensor | None = None):
+                 draft_vocab: torch.Tensor | None = None, num_layers: int = 1):
         super().__init__()
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         self.input_mode = input_mode
-        self.layer_config = _layer_config(target_config)
+        self.layer_config = _layer_config(target_config, num_layers)
         self.hidden_size = target_config.hidden_size
         self.vocab_size = target_config.vocab_size
         self.model_type = target_config.model_type
         layer_cls, rotary_cls = _family_classes(self.layer_config)
         self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=True)
-        self.layer = layer_cls(self.layer_config, layer_idx=0)
+        self.layers = nn.ModuleList(layer_cls(self.layer_config, layer_idx=i) for i in range(num_layers))
         self.rotary = rotary_cls(config=self.layer_config)
         self._frozen: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
         self._w_draft: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, not saved
@@ -134,16 +139,40 @@ class EagleDraftHead(nn.Module):
             allowed = torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past)
             attention_mask = float_mask(allowed, h.dtype)
         cos_sin = self.rotary(h, position_ids)
-        out = self.layer(
-            h,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=cache is not None,
-            cache_position=position_ids[0],
-            position_embeddings=cos_sin,
-        )
-        return out[0] if isinstance(out, tuple) else out
+        for layer in self.layers:
+            out = layer(
+                h,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                cache_position=position_ids[0],
+                position_embeddings=cos_sin,
+            )
+            h = out[0] if isinstance(out, tuple) else out
+        return h
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def grow(self, num_layers: int) -> "EagleDraftHead":
+        """Append decoder layers that start as the identity (attention and MLP output projections
+        zero: both residual branches add nothing), so predictions are unchanged until they train."""
+        if num_layers < self.num_layers:
+            raise EaglespecError(f"cannot shrink a {self.num_layers}-layer head to {num_layers} layers")
+        layer_cls = type(self.layers[0])
+        self.layer_config.num_hidden_layers = num_layers
+        if getattr(self.layer_config, "layer_types", None):
+            self.layer_config.layer_types = [self.layer_config.layer_types[0]] * num_layers
+        p = next(self.parameters())
+        for i in range(self.num_layers, num_layers):
+            layer = layer_cls(self.layer_config, layer_idx=i).to(device=p.device, dtype=p.dtype)
+            with torch.no_grad():
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            self.layers.append(layer)
+        return self
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary (the full one unless reduced): map ids with `d2t`."""
@@ -232,7 +261,10 @@ class EagleDraftHead(nn.Module):
         d2t = state.get("d2t")
         if d2t is not None and (d2t.dim() != 1 or int(d2t.min()) < 0 or int(d2t.max()) >= cfg["vocab_size"]):
             raise CheckpointError(f"{weights}: d2t is not a valid draft-to-target id map")
-        head = cls(layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"), draft_vocab=d2t)
+        # one-layer heads written before `layers` existed name their layer "layer."
+        state = {("layers.0." + k[6:] if k.startswith("layer.") else k): v for k, v in state.items()}
+        head = cls(layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"), draft_vocab=d2t,
+                   num_layers=int(getattr(layer_cfg, "num_hidden_layers", 1) or 1))
         head.metadata = cfg.get("metadata", {})
         own = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
         missing = sorted(set(own) - set(state))

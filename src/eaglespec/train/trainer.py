@@ -59,12 +59,13 @@ class TrainConfig:
     unroll: int = 1  # training-time test: steps of the head fed its own predictions (1 = the paper)
     unroll_decay: float = 0.8  # loss weight of step s is unroll_decay ** (s - 1)
     unroll_fraction: float = 0.25  # share of anchors whose chains train at steps >= 2
+    layers: int = 0  # decoder layers of the head (0: the --init head's, else 1); more than --init's grows it
 
     def validate(self) -> None:
         checks = [("epochs", self.epochs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
                   ("batch_tokens", self.batch_tokens >= 1, ">= 1"), ("noise", self.noise >= 0, ">= 0"),
                   ("unroll", self.unroll >= 1, ">= 1"), ("unroll_decay", self.unroll_decay > 0, "> 0"),
-                  ("unroll_fraction", 0 < self.unroll_fraction <= 1, "in (0, 1]")]
+                  ("unroll_fraction", 0 < self.unroll_fraction <= 1, "in (0, 1]"), ("layers", self.layers >= 0, ">= 0")]
         for name, ok, want in checks:
             if not ok:
                 raise EaglespecError(f"{name} must be {want}, got {getattr(self, name)}")
@@ -309,13 +310,15 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
             if set(diff) - {"max_steps", "save_every", "epochs"}:
                 raise EaglespecError(f"{out} was trained with other settings {diff}; use another --out")
     else:
+        torch.manual_seed(cfg.seed)
         if cfg.init:
             head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
+            head.grow(max(cfg.layers, head.num_layers))  # new layers start as the identity
         else:
-            torch.manual_seed(cfg.seed)
             always = eos_ids(tok, target)
             d2t = draft_vocabulary(train_set.token_counts, cfg.draft_vocab, always)
-            head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t).bind(target)
+            head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t,
+                                  num_layers=max(1, cfg.layers)).bind(target)
         state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
