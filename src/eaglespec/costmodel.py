@@ -93,6 +93,8 @@ def machine_info(engine: "Engine") -> dict:
             "head_vocab": engine.head.draft_vocab_size if engine.head is not None else 0}
     if getattr(cfg, "eaglespec_compiled", False):  # only when set, so eager profiles keep their cache key
         info["compiled"] = True
+    if engine.head is not None and engine.head.num_layers > 1:  # a deeper head drafts slower (same rule)
+        info["head_layers"] = engine.head.num_layers
     return info
 
 
