@@ -317,6 +317,15 @@ def test_pooled_feature_folders(tiny_features, tmp_path):
         train(TrainConfig(features=f"{d},{tmp_path}", out=str(tmp_path / "p"), model=str(tiny_features / "model")))
 
 
+def greedy_answer(eng, tok, record: dict, max_new_tokens: int = 6) -> tuple[str, str]:
+    """The engine's greedy answer to a regenerated record's first user turn: (text, finish reason);
+    EOS (id 1) ends the answer and is not part of its text."""
+    prompt = [{"role": "user", "content": record["conversations"][0]["value"]}]
+    ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    out = eng.generate(ids, max_new_tokens, method="vanilla", eos_token_ids=[1])
+    return tok.decode([t for t in out.token_ids if t != 1]), out.finish_reason
+
+
 def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features, tmp_path):
     from transformers import AutoTokenizer
 
@@ -336,13 +345,10 @@ def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features,
     model, _ = load_target(str(root / "model"))
     tok = AutoTokenizer.from_pretrained(root / "model")
     eng = Engine(model, None)
-    special = {1}  # EOS ends the answer and is not part of its text
     for r in recs[:3]:  # the answer is the target's own greedy continuation of the first user turn
-        prompt = [{"role": "user", "content": r["conversations"][0]["value"]}]
-        ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        want = eng.generate(ids, 6, method="vanilla", eos_token_ids=[1])
-        assert r["conversations"][1]["value"] == tok.decode([t for t in want.token_ids if t not in special])
-        assert r["conversations"][1]["truncated"] == (want.finish_reason == "length")
+        text, reason = greedy_answer(eng, tok, r)
+        assert r["conversations"][1]["value"] == text
+        assert r["conversations"][1]["truncated"] == (reason == "length")
     # the output is readable training data
     assert len(load_conversations(str(out))) == sum(1 for r in recs if r["conversations"][1]["value"].strip())
     # interrupted mid-line: the cut record is dropped and answered again, nothing twice
@@ -451,10 +457,7 @@ def test_regenerate_in_bf16_gives_the_bf16_targets_answers_and_near_fp32_feature
     bf16, _ = load_target(str(root / "model"), dtype=torch.bfloat16)
     eng = Engine(bf16, None)
     for r in list(recs.values())[:3]:
-        prompt = [{"role": "user", "content": r["conversations"][0]["value"]}]
-        ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        want = eng.generate(ids, 6, method="vanilla", eos_token_ids=[1])
-        assert r["conversations"][1]["value"] == tok.decode([t for t in want.token_ids if t != 1])
+        assert r["conversations"][1]["value"] == greedy_answer(eng, tok, r)[0]
     fp32, _ = load_target(str(root / "model"))
     errs = []
     for path in sorted(feats.glob("*/shard_*.safetensors")):

@@ -162,9 +162,7 @@ class EagleDraftHead(nn.Module):
         if num_layers < self.num_layers:
             raise EaglespecError(f"cannot shrink a {self.num_layers}-layer head to {num_layers} layers")
         layer_cls = type(self.layers[0])
-        self.layer_config.num_hidden_layers = num_layers
-        if getattr(self.layer_config, "layer_types", None):
-            self.layer_config.layer_types = [self.layer_config.layer_types[0]] * num_layers
+        self.layer_config = _layer_config(self.layer_config, num_layers)
         p = next(self.parameters())
         for i in range(self.num_layers, num_layers):
             layer = layer_cls(self.layer_config, layer_idx=i).to(device=p.device, dtype=p.dtype)
