@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from eaglespec.cache import KVCache
-from eaglespec.costmodel import CostProfile
+from eaglespec.costmodel import CostProfile, CostWatch
 from eaglespec.engine import Engine
 from eaglespec.errors import EaglespecError
 from eaglespec.head import EagleDraftHead
@@ -102,6 +102,36 @@ def test_auto_tree_measures_and_caches_costs(tiny_pair, tmp_path, monkeypatch):
     again = Engine(model, head, tree="auto")
     again.generate(PROMPTS[0], 2)
     assert again.costs == eng.costs  # read back, not measured again
+
+
+def test_cost_watch_flags_a_curve_real_rounds_disagree_with():
+    prof = synthetic_costs(0.1, 0.01)  # verify(n) = 1 + 0.1 (n - 1)
+    watch = CostWatch(prof, window=4)
+    assert not any(watch.observe(n, 1.2 * prof.verify(n)) for n in (1, 3, 5, 2) * 3)  # within 1.5x
+    assert [watch.observe(3, 0.3 * prof.verify(3)) for _ in range(4)] == [False] * 3 + [True]
+    assert [watch.observe(3, 2.0 * prof.verify(3)) for _ in range(4)] == [False] * 3 + [True]  # slower too
+    watch.replace(prof)
+    assert [watch.observe(3, 0.3 * prof.verify(3)) for _ in range(8)] == [False] * 7 + [True]  # window doubled
+
+
+def test_auto_tree_measures_again_when_the_cached_curve_is_wrong(tiny_pair, tmp_path, monkeypatch):
+    """A curve cached while the CPU was busy (here: 100x too slow) is measured again once real rounds
+    show it is off; the output stays the target's own."""
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="auto")
+    eng.generate(PROMPTS[0], 2)  # measures and caches the true curve
+    path = next((tmp_path / "costs").glob("*.json"))
+    true = CostProfile.load(path)
+    busy = CostProfile(true.sizes, [100 * t for t in true.verify_s], 100 * true.draft_level_s, true.context,
+                       true.machine)
+    busy.save(path)
+    eng = Engine(model, head, tree="auto")
+    out = eng.generate(PROMPTS[1], 60)
+    assert out.token_ids == hf_greedy(model, PROMPTS[1], 60)
+    assert out.stats.rounds >= 16
+    again = CostProfile.load(path)
+    assert eng.costs == again and again.verify_s[0] < 10 * true.verify_s[0]  # the cache holds the new one
 
 
 def test_target_tokens_outside_draft_vocabulary(tiny_pair):

@@ -150,9 +150,35 @@ def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: i
     return CostProfile(list(sizes), verify, draft, context, machine_info(engine))
 
 
-def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = True) -> CostProfile:
+class CostWatch:
+    """Checks a cached profile against the verify times real rounds take. A curve measured while
+    the CPU was busy (or a machine that got faster or slower since) would size every later tree
+    wrongly for good; when the median of observed / predicted over a window of rounds is off by
+    more than `tolerance`x, `observe` says so and the caller measures again. Each re-measurement
+    doubles the window, so a load that comes and goes cannot make it measure all the time."""
+
+    def __init__(self, profile: CostProfile, window: int = 16, tolerance: float = 1.5):
+        self.profile, self.window, self.tolerance = profile, window, tolerance
+        self.ratios: list[float] = []
+
+    def observe(self, tokens: int, seconds: float) -> bool:
+        self.ratios.append(seconds / max(self.profile.verify(tokens), 1e-9))
+        if len(self.ratios) < self.window:
+            return False
+        ratio = statistics.median(self.ratios)
+        self.ratios = []
+        return not 1 / self.tolerance <= ratio <= self.tolerance
+
+    def replace(self, profile: CostProfile) -> None:
+        self.profile, self.window, self.ratios = profile, 2 * self.window, []
+
+
+def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = True,
+                    fresh: bool = False) -> CostProfile:
+    """The cached profile for this engine's (model, dtype, machine), measured and cached when absent
+    (or when `fresh`: the cached one disagreed with real rounds)."""
     path = Path(path) if path is not None else profile_path(engine)
-    if path.is_file():
+    if path.is_file() and not fresh:
         try:
             return CostProfile.load(path)
         except (ValueError, TypeError, KeyError):
@@ -160,7 +186,8 @@ def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = 
     if verbose:
         import sys
 
-        print(f"eaglespec: measuring this machine's cost curve once (cached in {path}) ...", file=sys.stderr)
+        what = "again: the cached one disagrees with real rounds" if fresh else "once"
+        print(f"eaglespec: measuring this machine's cost curve {what} (cached in {path}) ...", file=sys.stderr)
     t0 = time.perf_counter()
     prof = measure(engine)
     prof.machine["measure_time_s"] = time.perf_counter() - t0

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from .cache import KVCache
 from .errors import EaglespecError
 from .head import EagleDraftHead
-from .costmodel import CostProfile, load_or_measure
+from .costmodel import CostProfile, CostWatch, load_or_measure
 from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, parse_spec, paths_of,
                    plan_children, prefix_tree_mask, prompt_lookup, select_nodes, split_lookup)
 from .verify import SamplingParams, greedy_accept, sample_accept, target_probs
@@ -133,6 +133,7 @@ class Engine:
         self.tree: TreeBuffers | None = None if self.dynamic else build_tree(spec)
         self.plain: TreeBuffers = build_tree("chain:0")  # root only: one token per forward
         self.costs = costs  # the machine's cost curve, for `auto` (measured on first use if None)
+        self._watch: CostWatch | None = None  # checks a cached curve against real rounds
         self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
         self._calib_rank: list[list[float]] = []  # the same per sibling rank, for sampled trees
         self._predicted_rank: list[float] | None = None
@@ -249,6 +250,7 @@ class Engine:
             gen.manual_seed(seed if seed is not None else torch.seed())
         if eagle and self.dynamic is not None and self.dynamic.auto and self.costs is None:
             self.costs = load_or_measure(self)
+            self._watch = CostWatch(self.costs)
         depth = self.dynamic.depth if self.dynamic else self.tree.max_depth
         max_nodes = (self.dynamic.total_tokens or self.dynamic.max_nodes) if self.dynamic else self.tree.n
         lookup = self.lookup if eagle and len(prompts) == 1 else 0
@@ -330,6 +332,9 @@ class Engine:
             if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
                 cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
             tc = self._clock()
+            if self._watch is not None and use_tree and self._watch.observe(cur.n, tc - tb):
+                self.costs = load_or_measure(self, fresh=True)
+                self._watch.replace(self.costs)
             events = []
             for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
                 r.n_ctx += len(keep)
