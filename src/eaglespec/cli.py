@@ -21,8 +21,10 @@ def default_head(model: str) -> str | None:
     return str(path) if (path / "config.json").is_file() else None
 
 
-PACK_HELP = ("fp32 weights pre-packed for oneDNN (CPU): the same model, much faster when several tokens go "
-             "through a layer (verification); every method uses it")
+PACK_HELP = ("fp32 weights pre-packed for oneDNN (CPU): the same model, faster when several tokens go through "
+             "a layer (verification); every method uses it. Whether it pays depends on the CPU: on AVX2 EPYC "
+             "one token too got faster (76 -> 56 ms), on an AMX Xeon slower (41 -> 53 ms); `eaglespec profile "
+             "--packed` measures yours")
 COMPILE_HELP = ("torch.compile the plain fp32 target's decoder (every method uses it; minutes of compilation "
                 "per process). Slower than --packed on a 2-core CPU (BENCHMARKS.md section 7); may pay elsewhere")
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
@@ -40,7 +42,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
-    p.add_argument("--packed", action="store_true", help=PACK_HELP)
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False, help=PACK_HELP)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--out", default=None, help="also write cost_curve.json / .png here")
     p.add_argument("--compare", nargs="+", metavar="LABEL=JSON", default=None,
@@ -65,7 +67,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
-    p.add_argument("--packed", action="store_true", help=PACK_HELP)
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False, help=PACK_HELP)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
@@ -136,7 +138,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--first-turn-only", action="store_true", help="only the first turn of multi-turn questions")
     p.add_argument("--quick", action="store_true", help="10 MT-bench first turns, 128 tokens, T=0, vanilla/eagle/hf")
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
-    p.add_argument("--packed", action="store_true", help=PACK_HELP)
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False, help=PACK_HELP)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--out", required=True)
 
