@@ -472,6 +472,45 @@ def test_regenerate_in_bf16_gives_the_bf16_targets_answers_and_near_fp32_feature
         regenerate(replace(cfg, dtype="float16"))
 
 
+def test_regenerate_answers_the_opening_turns_of_dropped_records(tiny_features, tmp_path):
+    """Records the conversation filter drops still open with a usable user turn: `--prompts dropped`
+    answers exactly those, numbered apart from the split's ids, and nothing the split holds."""
+    from transformers import AutoTokenizer
+
+    from eaglespec.engine import Engine
+    from eaglespec.models import load_target
+    from eaglespec.train.data import dropped_first_turns, load_conversations
+    from eaglespec.train.regenerate import DROPPED_ID0, RegenerateConfig, regenerate
+
+    root = tiny_features
+    recs = [{"conversations": [{"from": "human", "value": "w5 w6"}, {"from": "gpt", "value": "w7"}]},  # kept
+            {"conversations": [{"from": "human", "value": "w8 w9"}, {"from": "human", "value": "w10"},
+                               {"from": "gpt", "value": "w11"}]},  # two user turns in a row
+            {"conversations": [{"from": "gpt", "value": "w12"}, {"from": "human", "value": "w13"}]},  # no opening
+            {"conversations": [{"from": "system", "value": "w14"}, {"from": "human", "value": "w15 w16"},
+                               {"from": "gpt", "value": ""}]},  # an empty reply
+            {"conversations": [{"from": "human", "value": "w17"}]}]  # never answered
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in recs))
+    assert len(load_conversations(str(data))) == 1
+    assert dropped_first_turns(str(data)) == [
+        [{"role": "user", "content": "w8 w9"}],
+        [{"role": "system", "content": "w14"}, {"role": "user", "content": "w15 w16"}],
+        [{"role": "user", "content": "w17"}]]
+    out = tmp_path / "dropped.jsonl"
+    cfg = RegenerateConfig(model=str(root / "model"), out=str(out), data=str(data), max_new_tokens=6,
+                           batch_size=2, heldout=0, prompts="dropped")
+    assert regenerate(cfg)["answered"] == 3
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(got) == [DROPPED_ID0, DROPPED_ID0 + 1, DROPPED_ID0 + 2]
+    assert [t["value"] for t in got[DROPPED_ID0 + 1]["conversations"][:2]] == ["w14", "w15 w16"]
+    model, _ = load_target(str(root / "model"))
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    assert got[DROPPED_ID0]["conversations"][1]["value"] == greedy_answer(Engine(model, None), tok, got[DROPPED_ID0])[0]
+    with pytest.raises(EaglespecError, match="--prompts"):
+        regenerate(replace(cfg, prompts="later"))
+
+
 def test_head_metadata_has_no_machine_paths():
     from pathlib import Path
 

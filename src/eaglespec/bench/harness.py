@@ -10,13 +10,14 @@ vanilla vs eagle throughput with every sequence of a batch decoded together.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
@@ -46,6 +47,35 @@ def parse_methods(text: str) -> tuple[str, ...]:
     return tuple(out)
 GREEDY_ONLY = {"pld": "transformers' prompt lookup is greedy-only here"}
 NOT_OURS = {"llamacpp", "llamacpp-pld"}  # other numerics (quantized matmuls): no token equality expected
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _llama_params(**fields: Any) -> Iterator[None]:
+    """Model parameters `Llama()` has no keyword for. `use_extra_bufts=False`: llama-cpp-python 0.3.36
+    built on an AMX CPU puts SmolLM2's Q4_1 weights in the AMX buffer type, and its first decode
+    segfaults there; without the extra (repacking) buffer types it runs (74 tok/s on 2 Xeon cores)."""
+    import llama_cpp.llama_cpp as lib  # the ctypes module `Llama.__init__` calls
+
+    default = lib.llama_model_default_params
+
+    def patched():
+        params = default()
+        for k, v in fields.items():
+            setattr(params, k, v)
+        return params
+
+    lib.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
 
 
 @dataclass
@@ -108,9 +138,10 @@ class Runner:
             from ..models import gguf_path
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if method == "llamacpp-pld" else None
-            self.llama[method] = Llama(model_path=str(gguf_path(self.cfg.model)), n_ctx=4096,
-                                       n_threads=torch.get_num_threads(), n_batch=512, draft_model=draft,
-                                       seed=self.cfg.seed, verbose=False)
+            with _llama_params(use_extra_bufts=not _cpu_has("amx_int8")):
+                self.llama[method] = Llama(model_path=str(gguf_path(self.cfg.model)), n_ctx=4096,
+                                           n_threads=torch.get_num_threads(), n_batch=512, draft_model=draft,
+                                           seed=self.cfg.seed, verbose=False)
         return self.llama[method]
 
     def run_llamacpp(self, method: str, ids: list[int], sp: SamplingParams, seed: int) -> dict[str, Any]:

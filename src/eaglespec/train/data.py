@@ -40,9 +40,9 @@ def stream_json_array(path: Path) -> Iterator[dict]:
         yield obj
 
 
-def load_conversations(source: str = "sharegpt") -> list[list[dict]]:
-    """``sharegpt`` or a JSONL / JSON file of ``{"conversations": [{"from", "value"}, ...]}`` records.
-    Returns conversations as chat messages ``[{"role", "content"}]``."""
+def load_records(source: str = "sharegpt") -> Iterator[list[dict]]:
+    """The raw turn lists (``[{"from", "value"}, ...]``) of ``sharegpt`` or a JSONL / JSON file of
+    ``{"conversations": [...]}`` records, in file order."""
     if source == "sharegpt":
         records: Iterator[dict] = stream_json_array(sharegpt_path())
     else:
@@ -53,12 +53,35 @@ def load_conversations(source: str = "sharegpt") -> list[list[dict]]:
             records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
         else:
             records = stream_json_array(path)
-    out = []
     for rec in records:
-        msgs = to_messages(rec.get("conversations", []) if isinstance(rec, dict) else [])
-        if msgs:
-            out.append(msgs)
-    return out
+        turns = rec.get("conversations", []) if isinstance(rec, dict) else []
+        yield turns if isinstance(turns, list) else []
+
+
+def load_conversations(source: str = "sharegpt") -> list[list[dict]]:
+    """Conversations as chat messages ``[{"role", "content"}]``: the records `to_messages` accepts."""
+    return [msgs for msgs in map(to_messages, load_records(source)) if msgs]
+
+
+def dropped_first_turns(source: str = "sharegpt") -> list[list[dict]]:
+    """The opening user turn (after a system turn, if any) of every record `load_conversations` drops
+    (a later turn breaks the alternation, has an unknown role or is empty): prompts no training split
+    holds, for `regenerate` to answer."""
+    return [first for turns in load_records(source) if not to_messages(turns) and (first := opening_turn(turns))]
+
+
+def opening_turn(turns: list[dict]) -> list[dict]:
+    """``[system?, first user message]`` as chat messages, or [] if the record does not open that way."""
+    msgs = []
+    for t in turns[:2]:
+        role = ROLE.get(str(t.get("from", "")).lower())
+        value = t.get("value")
+        if role not in ("system", "user") or not isinstance(value, str) or not value.strip():
+            return []
+        msgs.append({"role": role, "content": value})
+        if role == "user":
+            return msgs
+    return []
 
 
 def to_messages(turns: list[dict]) -> list[dict]:

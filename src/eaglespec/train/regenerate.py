@@ -7,7 +7,9 @@ much more from ChatGPT's, which is where it pays.
 
 Output: a JSONL of ``{"id", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`` records
 (first user turn of each conversation, the target's greedy answer), readable by ``eaglespec extract
---data``. Written batch by batch with flush; a rerun skips the ids already in the file.
+--data``. ``prompts="dropped"`` answers instead the opening turns of the records the conversation
+filter drops (a later turn is empty, has an unknown role or breaks the alternation; ~6.5k of
+ShareGPT's 17.6k): prompts no split holds, numbered from ``DROPPED_ID0``. Written batch by batch with flush; a rerun skips the ids already in the file.
 
 With ``features_out`` the features come out of the decoding itself (every token it fed to the target),
 so no extraction pass is needed: ``features_out/{train,heldout}/shard_<first id>.safetensors`` in
@@ -35,11 +37,13 @@ from tqdm import tqdm
 
 from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
-from .data import load_conversations, split
+from .data import dropped_first_turns, load_conversations, split
 from .extract import pack_shard, read_shard, unpack_shard
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PROMPTS = ("split", "dropped")  # the training split's first user turns, or the records it leaves out
+DROPPED_ID0 = 100_000  # record ids of `dropped` prompts start here, apart from the split's conversation indices
 
 
 @dataclass
@@ -58,6 +62,7 @@ class RegenerateConfig:
     features_out: str = ""  # also write feature shards here (no `eaglespec extract` pass needed)
     heldout_every: int = 64  # with features_out: conversation ids divisible by this go to heldout/
     dtype: str = "float32"  # or "bfloat16": faster decoding, near-identical data (see the module docstring)
+    prompts: str = "split"  # or "dropped": opening turns of the records the conversation filter drops
 
 
 def _done_ids(path: Path) -> set[int]:
@@ -123,6 +128,7 @@ def _write_feature_shards(folder: Path, batch: list[tuple[int, list, list[int]]]
 @torch.inference_mode()
 def regenerate(cfg: RegenerateConfig) -> dict:
     """Answer the first user turn of training-split conversations [`first_conversation`, `max_conversations`)
+    (or of the dropped records, `prompts="dropped"`)
     with the target's greedy decoding (vanilla, batched), appending to `cfg.out`; returns counts and speed."""
     from ..engine import Engine
     from ..models import eos_ids, load_target
@@ -134,19 +140,24 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         raise EaglespecError(f"--first-conversation must be >= 0, got {cfg.first_conversation}")
     if cfg.heldout_every < 1:
         raise EaglespecError(f"--heldout-every must be >= 1, got {cfg.heldout_every}")
+    if cfg.prompts not in PROMPTS:
+        raise EaglespecError(f"--prompts must be one of {PROMPTS}, got {cfg.prompts!r}")
     if cfg.dtype not in DTYPES:
         raise EaglespecError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
     dtype = DTYPES[cfg.dtype]
     # fp32: pre-packed weights (batched steps are far cheaper on CPU); bf16 runs oneDNN's bf16 kernels
     model, tok = load_target(cfg.model, dtype=dtype, packed=dtype == torch.float32)
-    train_convs, _ = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)
+    if cfg.prompts == "split":
+        train_convs, _ = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)
+        openings, id0 = [conv[: 2 if conv[0]["role"] == "system" else 1] for conv in train_convs], 0
+    else:
+        openings, id0 = dropped_first_turns(cfg.data), DROPPED_ID0
     prompts = []
-    for i, conv in enumerate(train_convs[cfg.first_conversation: cfg.max_conversations], start=cfg.first_conversation):
-        first = [m for m in conv if m["role"] == "system"][:1] + [next(m for m in conv if m["role"] == "user")]
+    for k, first in enumerate(openings[cfg.first_conversation: cfg.max_conversations], start=cfg.first_conversation):
         ids = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
         if cfg.min_prompt_len <= len(ids) <= cfg.max_prompt_len:
-            prompts.append((i, first, ids))
+            prompts.append((id0 + k, first, ids))
     done = _done_ids(out)
     feat_dir = Path(cfg.features_out) if cfg.features_out else None
     if feat_dir is not None:
