@@ -486,7 +486,8 @@ def test_regenerate_answers_the_opening_turns_of_dropped_records(tiny_features, 
     recs = [{"conversations": [{"from": "human", "value": "w5 w6"}, {"from": "gpt", "value": "w7"}]},  # kept
             {"conversations": [{"from": "human", "value": "w8 w9"}, {"from": "human", "value": "w10"},
                                {"from": "gpt", "value": "w11"}]},  # two user turns in a row
-            {"conversations": [{"from": "gpt", "value": "w12"}, {"from": "human", "value": "w13"}]},  # no opening
+            {"conversations": [{"from": "gpt", "value": "w12"}, {"from": "human", "value": "w13"}]},  # a later piece
+            {"conversations": [{"from": "gpt", "value": "w18"}, {"from": "gpt", "value": "w19"}]},  # no user turn
             {"conversations": [{"from": "system", "value": "w14"}, {"from": "human", "value": "w15 w16"},
                                {"from": "gpt", "value": ""}]},  # an empty reply
             {"conversations": [{"from": "human", "value": "w17"}]}]  # never answered
@@ -495,15 +496,17 @@ def test_regenerate_answers_the_opening_turns_of_dropped_records(tiny_features, 
     assert len(load_conversations(str(data))) == 1
     assert dropped_first_turns(str(data)) == [
         [{"role": "user", "content": "w8 w9"}],
+        [{"role": "assistant", "content": "w12"}, {"role": "user", "content": "w13"}],
         [{"role": "system", "content": "w14"}, {"role": "user", "content": "w15 w16"}],
         [{"role": "user", "content": "w17"}]]
     out = tmp_path / "dropped.jsonl"
     cfg = RegenerateConfig(model=str(root / "model"), out=str(out), data=str(data), max_new_tokens=6,
                            batch_size=2, heldout=0, prompts="dropped")
-    assert regenerate(cfg)["answered"] == 3
+    assert regenerate(cfg)["answered"] == 4
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert sorted(got) == [DROPPED_ID0, DROPPED_ID0 + 1, DROPPED_ID0 + 2]
-    assert [t["value"] for t in got[DROPPED_ID0 + 1]["conversations"][:2]] == ["w14", "w15 w16"]
+    assert sorted(got) == [DROPPED_ID0 + k for k in range(4)]
+    assert [(t["from"], t["value"]) for t in got[DROPPED_ID0 + 1]["conversations"]][:2] == [("gpt", "w12"), ("human", "w13")]
+    assert [t["value"] for t in got[DROPPED_ID0 + 2]["conversations"][:2]] == ["w14", "w15 w16"]
     model, _ = load_target(str(root / "model"))
     tok = AutoTokenizer.from_pretrained(root / "model")
     assert got[DROPPED_ID0]["conversations"][1]["value"] == greedy_answer(Engine(model, None), tok, got[DROPPED_ID0])[0]

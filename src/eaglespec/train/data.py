@@ -70,18 +70,21 @@ def dropped_first_turns(source: str = "sharegpt") -> list[list[dict]]:
     return [first for turns in load_records(source) if not to_messages(turns) and (first := opening_turn(turns))]
 
 
+OPENINGS = (("user",), ("system", "user"), ("assistant", "user"), ("system", "assistant", "user"))
+
+
 def opening_turn(turns: list[dict]) -> list[dict]:
-    """``[system?, first user message]`` as chat messages, or [] if the record does not open that way."""
+    """The messages up to and including the first user turn, ``[system?, assistant?, user]``, or []
+    if the record does not open that way. (ShareGPT V3 cut long conversations into pieces; a later
+    piece opens with the assistant's reply to a turn of the piece before.)"""
     msgs = []
-    for t in turns[:2]:
-        role = ROLE.get(str(t.get("from", "")).lower())
-        value = t.get("value")
-        if role not in ("system", "user") or not isinstance(value, str) or not value.strip():
-            return []
+    for t in turns[:3]:
+        role, value = ROLE.get(str(t.get("from", "")).lower()), t.get("value")
+        if role is None or not isinstance(value, str) or not value.strip():
+            break
         msgs.append({"role": role, "content": value})
-        if role == "user":
-            return msgs
-    return []
+    roles = tuple(m["role"] for m in msgs)
+    return next((msgs[: len(o)] for o in OPENINGS if roles[: len(o)] == o), [])
 
 
 def to_messages(turns: list[dict]) -> list[dict]:

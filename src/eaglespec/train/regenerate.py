@@ -7,9 +7,10 @@ much more from ChatGPT's, which is where it pays.
 
 Output: a JSONL of ``{"id", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`` records
 (first user turn of each conversation, the target's greedy answer), readable by ``eaglespec extract
---data``. ``prompts="dropped"`` answers instead the opening turns of the records the conversation
-filter drops (a later turn is empty, has an unknown role or breaks the alternation; ~6.5k of
-ShareGPT's 17.6k): prompts no split holds, numbered from ``DROPPED_ID0``. Written batch by batch with flush; a rerun skips the ids already in the file.
+--data``. ``prompts="dropped"`` answers instead the records the conversation filter drops, up to
+their first user turn (6,253 of ShareGPT's records, nearly all later pieces of conversations
+ShareGPT V3 cut up, which open with an assistant turn): prompts no split holds, numbered from
+``DROPPED_ID0``. Written batch by batch with flush; a rerun skips the ids already in the file.
 
 With ``features_out`` the features come out of the decoding itself (every token it fed to the target),
 so no extraction pass is needed: ``features_out/{train,heldout}/shard_<first id>.safetensors`` in
@@ -43,6 +44,7 @@ from .extract import pack_shard, read_shard, unpack_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROMPTS = ("split", "dropped")  # the training split's first user turns, or the records it leaves out
+SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 DROPPED_ID0 = 100_000  # record ids of `dropped` prompts start here, apart from the split's conversation indices
 
 
@@ -184,7 +186,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
                 row = [t for t in o.token_ids if t not in stop]
                 new_tokens += len(row)
                 answer = tok.decode(row, skip_special_tokens=True)
-                turns = [{"from": "system" if m["role"] == "system" else "human", "value": m["content"]} for m in first]
+                turns = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in first]
                 reply = {"from": "gpt", "value": answer, "truncated": o.finish_reason != "eos"}
                 f.write(json.dumps({"id": i, "conversations": turns + [reply]}) + "\n")
             f.flush()
