@@ -432,7 +432,8 @@ def plot_speedups(summary: list[dict], path: Path) -> None:
 
     groups = sorted({(r["dataset"], r["temperature"]) for r in summary})
     methods = list(dict.fromkeys(r["method"] for r in summary))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * len(methods) / 2), 4))
+    # ~0.2 inch per bar, within a page's width: 8 cells of 8 methods stay readable
+    fig, ax = plt.subplots(figsize=(min(16, max(6, 0.2 * len(groups) * len(methods) + 2)), 4.5))
     w = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):
         ys = [next((r["speedup_vs_vanilla"] or 0 for r in summary if (r["dataset"], r["temperature"]) == g
@@ -440,9 +441,11 @@ def plot_speedups(summary: list[dict], path: Path) -> None:
         ax.bar([x + i * w for x in range(len(groups))], ys, w, label=m)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([x + w * (len(methods) - 1) / 2 for x in range(len(groups))])
-    ax.set_xticklabels([f"{d}\nT={t}" for d, t in groups])
+    ax.set_xticklabels([f"{d}\nT={t}" for d, t in groups], fontsize=8)
     ax.set_ylabel("speedup vs vanilla (tokens/s ratio)")
-    ax.legend()
+    top = max((r["speedup_vs_vanilla"] or 0 for r in summary), default=1.0)
+    ax.set_ylim(0, 1.25 * max(top, 1.0))  # room for the legend above the bars
+    ax.legend(fontsize=7, ncol=min(len(methods), 8), loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
