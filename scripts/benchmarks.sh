@@ -25,7 +25,6 @@ print("--packed" if packed < default else "--no-packed")
 PY
 }
 for stage in $STAGES; do
-  case $stage in profile|ablation-int4|int4|int4-t1|int8|compile) ;; *) K=$(fp32_kernels) ;; esac
   case $stage in
     profile)   # the machine's cost curve: fp32 (torch's default kernels), fp32 pre-packed, int8, int4
       eaglespec profile --out "$OUT/profile" | tee "$OUT/profile.md"
@@ -36,18 +35,21 @@ for stage in $STAGES; do
         int8="$OUT/profile-int8/cost_curve.json" int4="$OUT/profile-int4/cost_curve.json" --out "$OUT/profile-all" \
         | tee "$OUT/profile-all.md" ;;
     ablation)  # which tree: paper vs chain vs dynamic vs auto, MT-bench first turns, T=0
+      K=$(fp32_kernels)
       eaglespec bench $K --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
         --methods vanilla,eagle,eagle-chain,eagle@chain:1,eagle@chain:2,eagle@dynamic:4,3,8,eagle@auto,eagle@auto+lookup --out "$OUT/ablation" ;;
     ablation-int4)  # the same question for the int4 target, whose cost curve differs
       eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
         --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto,eagle@auto+lookup --out "$OUT/ablation-int4" ;;
     main)      # all four datasets, T=0 and T=1, every peer
+      K=$(fp32_kernels)
       eaglespec bench $K --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only --temperature 0,1 --tree "$TREE" \
         --methods vanilla,hf,pld,eagle,eagle@auto,eagle@chain:1,llamacpp,llamacpp-pld --out "$OUT/main" ;;
     compile)   # the torch.compile'd fp32 target (its own vanilla) on the ablation's questions; cold compile included once
       eaglespec bench --compile --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree auto \
         --methods vanilla,eagle,eagle@chain:1 --out "$OUT/compile" ;;
     batch)     # paper Table 7: throughput at batch sizes 1, 2, 4
+      K=$(fp32_kernels)
       eaglespec bench $K --dataset mt_bench --first-turn-only --limit 4 --temperature 0 --tree "$BATCH_TREE" \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch" ;;
     int4)      # the fast target: weight-only int4 (its own vanilla), all four datasets, against llama.cpp
@@ -60,6 +62,7 @@ for stage in $STAGES; do
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;
     tau)       # the model card's acceptance: 80 MT-bench first turns, paper tree, T=0
+      K=$(fp32_kernels)
       eaglespec bench $K --dataset mt_bench --first-turn-only --temperature 0 --tree paper \
         --methods eagle --out "$OUT/tau80" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -34,6 +34,13 @@ TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTA
              "to L (default 8) prompt-lookup tokens onto every tree (batch size 1)")
 
 
+def _add_target_kernels(p: argparse.ArgumentParser) -> None:
+    """How the target runs (every method of a command uses the same): --quantize, --packed, --compile."""
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False, help=PACK_HELP)
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+
+
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure this machine's cost curve (target forward vs tokens verified)")
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -41,9 +48,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
-    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False, help=PACK_HELP)
-    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    _add_target_kernels(p)
     p.add_argument("--out", default=None, help="also write cost_curve.json / .png here")
     p.add_argument("--compare", nargs="+", metavar="LABEL=JSON", default=None,
                    help="measure nothing: overlay saved cost_curve.json files in one PNG (--out DIR)")
@@ -66,9 +71,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-sampling", choices=["topk", "sample"], default="sample",
                    help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
-    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False, help=PACK_HELP)
-    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    _add_target_kernels(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -137,9 +140,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--first-turn-only", action="store_true", help="only the first turn of multi-turn questions")
     p.add_argument("--quick", action="store_true", help="10 MT-bench first turns, 128 tokens, T=0, vanilla/eagle/hf")
-    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
-    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False, help=PACK_HELP)
-    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    _add_target_kernels(p)
     p.add_argument("--out", required=True)
 
 

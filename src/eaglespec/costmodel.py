@@ -79,6 +79,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU feature flag (e.g. ``amx_int8``); False where it is absent."""
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
 def machine_info(engine: "Engine") -> dict:
     cfg = engine.model.config
     cpu = cpu_name()

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
+from ..costmodel import cpu_has, cpu_name
 from ..engine import Engine
 from ..errors import EaglespecError
 from ..io import atomic_write_json, atomic_write_text, short_path
@@ -47,13 +48,6 @@ def parse_methods(text: str) -> tuple[str, ...]:
     return tuple(out)
 GREEDY_ONLY = {"pld": "transformers' prompt lookup is greedy-only here"}
 NOT_OURS = {"llamacpp", "llamacpp-pld"}  # other numerics (quantized matmuls): no token equality expected
-
-
-def _cpu_has(flag: str) -> bool:
-    try:
-        return flag in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager
@@ -138,7 +132,7 @@ class Runner:
             from ..models import gguf_path
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if method == "llamacpp-pld" else None
-            with _llama_params(use_extra_bufts=not _cpu_has("amx_int8")):
+            with _llama_params(use_extra_bufts=not cpu_has("amx_int8")):
                 self.llama[method] = Llama(model_path=str(gguf_path(self.cfg.model)), n_ctx=4096,
                                            n_threads=torch.get_num_threads(), n_batch=512, draft_model=draft,
                                            seed=self.cfg.seed, verbose=False)
@@ -371,8 +365,6 @@ def summarize(records: list[dict], cfg: BenchConfig) -> list[dict]:
 
 def machine() -> dict:
     import transformers
-
-    from ..costmodel import cpu_name
 
     return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),

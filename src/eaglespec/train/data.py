@@ -13,6 +13,7 @@ from ..errors import EaglespecError
 
 ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
         "bing": "assistant", "assistant": "assistant", "system": "system"}
+SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt"}  # writing records back
 
 
 def sharegpt_path() -> Path:
@@ -64,8 +65,8 @@ def load_conversations(source: str = "sharegpt") -> list[list[dict]]:
 
 
 def dropped_first_turns(source: str = "sharegpt") -> list[list[dict]]:
-    """The opening user turn (after a system turn, if any) of every record `load_conversations` drops
-    (a later turn breaks the alternation, has an unknown role or is empty): prompts no training split
+    """`opening_turn` of every record `load_conversations` drops (it opens with an assistant turn, or a
+    later turn breaks the alternation, has an unknown role or is empty): prompts no training split
     holds, for `regenerate` to answer."""
     return [first for turns in load_records(source) if not to_messages(turns) and (first := opening_turn(turns))]
 
@@ -79,23 +80,30 @@ def opening_turn(turns: list[dict]) -> list[dict]:
     piece opens with the assistant's reply to a turn of the piece before.)"""
     msgs = []
     for t in turns[:3]:
-        role, value = ROLE.get(str(t.get("from", "")).lower()), t.get("value")
-        if role is None or not isinstance(value, str) or not value.strip():
+        m = to_message(t)
+        if m is None:
             break
-        msgs.append({"role": role, "content": value})
+        msgs.append(m)
     roles = tuple(m["role"] for m in msgs)
     return next((msgs[: len(o)] for o in OPENINGS if roles[: len(o)] == o), [])
+
+
+def to_message(turn: dict) -> dict | None:
+    """One ShareGPT turn as a chat message, or None for an unknown role or an empty turn."""
+    role, value = ROLE.get(str(turn.get("from", "")).lower()), turn.get("value")
+    if role is None or not isinstance(value, str) or not value.strip():
+        return None
+    return {"role": role, "content": value}
 
 
 def to_messages(turns: list[dict]) -> list[dict]:
     msgs = []
     for t in turns:
-        role = ROLE.get(str(t.get("from", "")).lower())
-        value = t.get("value")
-        if role is None or not isinstance(value, str) or not value.strip():
+        m = to_message(t)
+        if m is None:
             return []  # unknown role or empty turn: drop the conversation
-        msgs.append({"role": role, "content": value})
-        if role == "assistant" and t.get("truncated"):
+        msgs.append(m)
+        if m["role"] == "assistant" and t.get("truncated"):
             msgs[-1]["truncated"] = True  # cut at a token budget (regenerate): the target never ended it
             break
     if msgs and msgs[0]["role"] == "system":

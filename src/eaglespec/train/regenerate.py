@@ -38,13 +38,12 @@ from tqdm import tqdm
 
 from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
-from .data import dropped_first_turns, load_conversations, split
+from .data import SHAREGPT_FROM, dropped_first_turns, load_conversations, split
 from .extract import pack_shard, read_shard, unpack_shard
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROMPTS = ("split", "dropped")  # the training split's first user turns, or the records it leaves out
-SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 DROPPED_ID0 = 100_000  # record ids of `dropped` prompts start here, apart from the split's conversation indices
 
 
@@ -186,8 +185,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
                 row = [t for t in o.token_ids if t not in stop]
                 new_tokens += len(row)
                 answer = tok.decode(row, skip_special_tokens=True)
-                turns = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in first]
-                reply = {"from": "gpt", "value": answer, "truncated": o.finish_reason != "eos"}
+                turns = [{"from": SHAREGPT_FROM[m["role"]], "value": m["content"]} for m in first]
+                reply = {"from": SHAREGPT_FROM["assistant"], "value": answer, "truncated": o.finish_reason != "eos"}
                 f.write(json.dumps({"id": i, "conversations": turns + [reply]}) + "\n")
             f.flush()
             bar.update(len(batch))
