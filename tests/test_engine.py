@@ -424,3 +424,45 @@ def test_batch_sampling_law_of_first_three_tokens():
     eng = Engine(model, head, tree=[[0], [1], [0, 0], [0, 1], [1, 0]])
     assert_law(lambda s: eng.generate_batch([ids, [4, 4, 6, 1, 7, 2]], 3, sampling=sp, seed=s)[0].token_ids,
                law, V, 3000)
+
+
+@pytest.mark.parametrize("tree", ["paper", "dynamic:3,2,6"])
+def test_fused_head_reads_the_targets_aux_layers(tiny_pair, tree):
+    """EAGLE-3 fusion: a head given aux layers starts exactly as it was (fuse = 0); once `fuse`
+    is non-zero the aux hidden states change its predictions, the engine feeds it those layers
+    (its drafts differ from the plain head's), and greedy output is still vanilla's."""
+    model, head = tiny_pair
+    ids = torch.tensor([PROMPTS[2]])
+    hs = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+    f, wide = hs[-1], torch.cat([hs[-1], hs[1]], -1)
+    pos, tok = torch.arange(ids.shape[1])[None], torch.roll(ids, -1, 1)
+    with torch.no_grad():
+        plain = head(f, tok, pos)
+        head.add_aux_layers([1])
+        torch.testing.assert_close(head(wide, tok, pos), plain, atol=0, rtol=0)
+        head.fuse.weight.normal_(0, 0.02)
+        assert not torch.allclose(head(wide, tok, pos), plain, atol=1e-3)
+        torch.testing.assert_close(head(f, tok, pos), plain)  # a drafted node (width H) has no aux
+    eng = Engine(model, head, tree=tree)
+    draft = eng.generate(PROMPTS[2], 40).stats
+    for p in PROMPTS:
+        assert eng.generate(p, 40, method="eagle").token_ids == hf_greedy(model, p, 40)
+    with torch.no_grad():
+        head.fuse.weight.zero_()
+    assert eng.generate(PROMPTS[2], 40).stats.accept_lengths != draft.accept_lengths
+
+
+def test_fused_head_round_trip_and_fit(tiny_pair, tmp_path):
+    model, head = tiny_pair
+    head.add_aux_layers([0, 2])
+    with torch.no_grad():
+        head.fuse.weight.normal_()
+    head.save_pretrained(tmp_path / "h")
+    back = EagleDraftHead.from_pretrained(tmp_path / "h", model)
+    assert back.aux_layers == [0, 2] and back.feature_width == 3 * model.config.hidden_size
+    torch.testing.assert_close(back.fuse.weight, head.fuse.weight)
+    with pytest.raises(EaglespecError, match="already fuses"):
+        back.add_aux_layers([1])
+    deep = tiny_target("llama", layers=1)
+    with pytest.raises(EaglespecError, match="aux layer 2"):
+        EagleDraftHead.from_pretrained(tmp_path / "h", deep)

@@ -317,6 +317,51 @@ def test_pooled_feature_folders(tiny_features, tmp_path):
         train(TrainConfig(features=f"{d},{tmp_path}", out=str(tmp_path / "p"), model=str(tiny_features / "model")))
 
 
+def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path):
+    """`extract --aux-only --aux-layers` writes each shard's aux file (the model's hidden states at
+    those layers, resumable); `train --init H --aux-layers` trains a head that fuses them; a folder
+    without them, or with other layers, gives an error naming the file."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from eaglespec.head import EagleDraftHead
+    from eaglespec.models import load_target
+    from eaglespec.train.extract import aux_path
+
+    root = tiny_features
+    feats = tmp_path / "feats"
+    shutil.copytree(root / "feats", feats)
+    cfg = ExtractConfig(model=str(root / "model"), out_dir=str(feats), aux_layers="1,2", aux_only=True)
+    rep = extract(cfg)
+    shards = sorted((feats / "train").glob("shard_*[0-9].safetensors"))
+    assert rep["new_tokens"] > 0 and all(aux_path(s).is_file() for s in shards)
+    assert extract(cfg)["new_tokens"] == 0  # resumed: nothing left to do
+    t, aux = read_shard(shards[0]), load_file(str(aux_path(shards[0])))
+    a, b = t["offsets"][:2].tolist()
+    model = AutoModelForCausalLM.from_pretrained(root / "model")
+    with torch.no_grad():
+        hs = model.model(t["input_ids"][a:b].long()[None], output_hidden_states=True).hidden_states
+    assert aux["layers"].tolist() == [1, 2]
+    torch.testing.assert_close(aux["aux"][a:b].float(), torch.stack([hs[1][0], hs[2][0]], 1), atol=2e-2, rtol=1e-2)
+
+    common = dict(model=str(root / "model"), epochs=1, batch_tokens=128, draft_vocab=0, eval_conversations=2,
+                  save_every=50, warmup_steps=2, lr=1e-3)
+    train(TrainConfig(features=str(feats), out=str(tmp_path / "a"), max_steps=2, **common))
+    st = train(TrainConfig(features=str(feats), out=str(tmp_path / "b"), max_steps=3, aux_layers="1,2",
+                           init=str(tmp_path / "a" / "head"), **common))
+    target, _ = load_target(str(root / "model"))
+    fused = EagleDraftHead.from_pretrained(tmp_path / "b" / "head", target)
+    assert st["step"] == 3 and fused.aux_layers == [1, 2] and float(fused.fuse.weight.abs().max()) > 0
+    with pytest.raises(CheckpointError, match="holds layers"):
+        train(TrainConfig(features=str(feats), out=str(tmp_path / "c"), max_steps=1, aux_layers="2", **common))
+    with pytest.raises(CheckpointError, match="missing; run"):
+        train(TrainConfig(features=str(root / "feats"), out=str(tmp_path / "d"), max_steps=1,
+                          init=str(tmp_path / "b" / "head"), **common))
+    with pytest.raises(EaglespecError, match="comma-separated"):
+        train(TrainConfig(features=str(feats), out=str(tmp_path / "e"), aux_layers="x", **common))
+
+
 def greedy_answer(eng, tok, record: dict, max_new_tokens: int = 6) -> tuple[str, str]:
     """The engine's greedy answer to a regenerated record's first user turn: (text, finish reason);
     EOS (id 1) ends the answer and is not part of its text."""

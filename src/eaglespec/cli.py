@@ -84,6 +84,12 @@ def _add_extract(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=1_000_000)
     p.add_argument("--heldout", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--aux-layers", default="", help="also store these target layers' hidden states (e.g. 3,15,27; "
+                   "0 = the embeddings), for a head that fuses them (train --aux-layers; EAGLE-3)")
+    p.add_argument("--aux-only", action="store_true", help="only add the --aux-layers files to the shards already "
+                   "in --out (from an earlier extract or regenerate --features-out)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the target's dtype while extracting (bfloat16: faster on CPUs with bf16 matrix units)")
 
 
 def _add_fields(p: argparse.ArgumentParser, defaults: object, skip: tuple[str, ...]) -> None:
@@ -208,7 +214,8 @@ def cmd_extract(a: argparse.Namespace) -> int:
     from .train.extract import ExtractConfig, extract
 
     rep = extract(ExtractConfig(model=a.model, out_dir=a.out, data=a.data, max_len=a.max_len,
-                                max_tokens=a.max_tokens, heldout=a.heldout, seed=a.seed))
+                                max_tokens=a.max_tokens, heldout=a.heldout, seed=a.seed, aux_layers=a.aux_layers,
+                                aux_only=a.aux_only, dtype=a.dtype))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "shards"} if isinstance(v, dict) else v
                       for k, v in rep.items()}))
     return 0

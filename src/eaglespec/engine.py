@@ -122,6 +122,9 @@ class Engine:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.head = head.eval() if head is not None else None
+        # EAGLE-3 fusion: the head also reads these layers' hidden states, riding after f_j
+        self.aux_layers: list[int] = list(head.aux_layers) if head is not None else []
+        self.hidden_size = int(model.config.hidden_size)
         quant = getattr(model.config, "eaglespec_quantization", None)
         if self.head is not None and (quant or getattr(model.config, "eaglespec_kernels", None) == "packed"):
             # a CPU-tuned target gets a CPU-tuned head: drafting must stay cheap next to a fast step
@@ -153,10 +156,13 @@ class Engine:
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Target forward on new tokens x (B, q) -> final-norm hidden states (features), (B, q, H)."""
+        """Target forward on new tokens x (B, q) -> final-norm hidden states (features), (B, q, H),
+        followed by the aux layers' hidden states if the head fuses them, (B, q, H * (1 + k))."""
         out = self.decoder(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                           use_cache=True)
-        return out.last_hidden_state
+                           use_cache=True, output_hidden_states=bool(self.aux_layers))
+        if not self.aux_layers:
+            return out.last_hidden_state
+        return torch.cat([out.last_hidden_state] + [out.hidden_states[i] for i in self.aux_layers], -1)
 
     def _target(self, ids: list[int], start: int, cache: KVCache, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,7 +233,7 @@ class Engine:
         if sink is not None:
             for o, ids, parts in zip(outs, prompts, sink):
                 # fed positions can run past the last emitted token (accepted nodes after an EOS)
-                o.features = torch.cat(parts)[: len(ids) + len(o.token_ids) - 1].float().cpu()
+                o.features = torch.cat(parts)[: len(ids) + len(o.token_ids) - 1, : self.hidden_size].float().cpu()
         return outs
 
     def _decode(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None, method: str,
@@ -271,7 +277,7 @@ class Engine:
             mask = float_mask(causal[None] & (pos[:, None, :] < torch.tensor(lens, device=self.device)[:, None, None]),
                               self.dtype)
         feats = self._forward(x, pos, cache, mask)
-        last = self.lm_head(torch.stack([feats[b, n - 1] for b, n in enumerate(lens)]))
+        last = self.lm_head(torch.stack([feats[b, n - 1, : self.hidden_size] for b, n in enumerate(lens)]))
         rows = [_Row(b, n, self._choose(last[b], sp, gen), stats[b]) for b, n in enumerate(lens)]
         for r in rows:
             if eagle:  # head inputs (f_j, t_{j+1}) not yet in the head's cache
@@ -694,7 +700,7 @@ class Engine:
             mask = float_mask(prefix_tree_mask(tree.ancestor_mask.to(self.device), prefix, n_ctx if ragged else None),
                               self.dtype)
         feats = self._forward(torch.tensor(node_tokens, device=self.device), positions, cache, mask)
-        logits = self.lm_head(feats)
+        logits = self.lm_head(feats[..., : self.hidden_size])
         paths, bonuses = [], []
         argmax = logits.argmax(-1).tolist() if sp.greedy else None
         for b in range(len(rows)):

@@ -5,6 +5,15 @@ whose next feature is harder to extrapolate), and `grow` adds layers that start 
 a trained head keeps its predictions exactly while the new layers learn. Only ``fc`` and ``layers``
 are trained and saved. The embedding and the LM head are the target's
 own frozen modules, bound at load time and never copied into the checkpoint.
+
+``aux_layers`` (EAGLE-3's feature fusion, optional) also feeds the head the target's hidden states
+after those decoder layers (``output_hidden_states`` numbering: 0 = the embeddings): the top layer's
+feature is specialised for the next token and has dropped context that the ones after it need.
+They arrive concatenated after f_j (the caller passes width H * (1 + k)), each RMS-normalised (a
+small model's residual stream has outliers in the ten thousands), and ``fuse`` adds their projection
+to the FC output. Only the target computes them: a drafted node's input is the head's own
+prediction (width H), which has none. ``fuse`` starts at zero, so a head given aux layers keeps its
+predictions exactly until it trains.
 """
 
 from __future__ import annotations
@@ -60,7 +69,8 @@ def _family_classes(cfg: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Mod
 
 class EagleDraftHead(nn.Module):
     def __init__(self, target_config: PretrainedConfig, input_mode: str = "feature+shifted_token",
-                 draft_vocab: torch.Tensor | None = None, num_layers: int = 1):
+                 draft_vocab: torch.Tensor | None = None, num_layers: int = 1,
+                 aux_layers: list[int] | None = None):
         super().__init__()
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
@@ -74,6 +84,9 @@ class EagleDraftHead(nn.Module):
         layer_cls, rotary_cls = _family_classes(self.layer_config)
         self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=True)
         self.layers = nn.ModuleList(layer_cls(self.layer_config, layer_idx=i) for i in range(num_layers))
+        self.aux_layers: list[int] = []
+        self.fuse: nn.Linear | None = None
+        self.add_aux_layers(list(aux_layers or []))
         self.rotary = rotary_cls(config=self.layer_config)
         self._frozen: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
         self._w_draft: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, not saved
@@ -127,12 +140,19 @@ class EagleDraftHead(nn.Module):
         cache: Any = None,
     ) -> torch.Tensor:
         """Predicted next features f_hat_{j+1}, shape (B, T, H)."""
+        aux = None
+        if features.shape[-1] > self.hidden_size:  # the target's fused inputs ride after f_j
+            features, aux = features[..., : self.hidden_size], features[..., self.hidden_size:]
         emb = self.embed(tokens).to(features.dtype)
         if self.input_mode == "feature":
             emb = torch.zeros_like(emb)
         elif self.input_mode == "token":
             features = torch.zeros_like(features)
         h = self.fc(torch.cat([features, emb], dim=-1))
+        if aux is not None and self.fuse is not None:
+            k = len(self.aux_layers)
+            aux = nn.functional.rms_norm(aux.unflatten(-1, (k, self.hidden_size)), (self.hidden_size,))
+            h = h + self.fuse(aux.flatten(-2))
         if attention_mask is None:
             t = h.shape[1]
             past = cache.get_seq_length() if cache is not None else 0
@@ -171,6 +191,26 @@ class EagleDraftHead(nn.Module):
                 layer.mlp.down_proj.weight.zero_()
             self.layers.append(layer)
         return self
+
+    def add_aux_layers(self, aux_layers: list[int]) -> "EagleDraftHead":
+        """Feed the head these target layers' hidden states too; the new `fuse` starts at zero."""
+        if list(aux_layers) == self.aux_layers:
+            return self
+        if self.aux_layers:
+            raise EaglespecError(f"this head already fuses layers {self.aux_layers}; cannot change them to {aux_layers}")
+        if any(not isinstance(i, int) or i < 0 for i in aux_layers) or len(set(aux_layers)) != len(aux_layers):
+            raise EaglespecError(f"aux layers must be distinct layer indices >= 0, got {aux_layers}")
+        p = next(self.fc.parameters())
+        self.aux_layers = list(aux_layers)
+        self.fuse = nn.Linear(len(aux_layers) * self.hidden_size, self.hidden_size, bias=False).to(p.device, p.dtype)
+        with torch.no_grad():
+            self.fuse.weight.zero_()
+        return self
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features this head reads: f_j, then the aux layers' hidden states."""
+        return self.hidden_size * (1 + len(self.aux_layers))
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary (the full one unless reduced): map ids with `d2t`."""
@@ -227,6 +267,7 @@ class EagleDraftHead(nn.Module):
             "vocab_size": self.vocab_size,
             "input_mode": self.input_mode,
             "draft_vocab_size": None if self.d2t is None else int(self.d2t.numel()),
+            "aux_layers": self.aux_layers,
             "layer_config": target_cfg,
             "metadata": self.metadata,
         }
@@ -261,8 +302,11 @@ class EagleDraftHead(nn.Module):
             raise CheckpointError(f"{weights}: d2t is not a valid draft-to-target id map")
         # one-layer heads written before `layers` existed name their layer "layer."
         state = {("layers.0." + k[6:] if k.startswith("layer.") else k): v for k, v in state.items()}
+        aux_layers = cfg.get("aux_layers") or []
+        if not isinstance(aux_layers, list) or not all(isinstance(i, int) and i >= 0 for i in aux_layers):
+            raise CheckpointError(f"{path / 'config.json'}: aux_layers must be a list of layer indices")
         head = cls(layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"), draft_vocab=d2t,
-                   num_layers=int(getattr(layer_cfg, "num_hidden_layers", 1) or 1))
+                   num_layers=int(getattr(layer_cfg, "num_hidden_layers", 1) or 1), aux_layers=aux_layers)
         head.metadata = cfg.get("metadata", {})
         own = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
         missing = sorted(set(own) - set(state))
@@ -304,5 +348,8 @@ def check_fit(head_cfg: dict[str, Any], target_config: PretrainedConfig) -> None
                       ("vocab_size", target_config.vocab_size)):
         if head_cfg[key] != want:
             diffs.append(f"{key}: head {head_cfg[key]!r} vs target {want!r}")
+    deepest = max(head_cfg.get("aux_layers") or [0])
+    if deepest > target_config.num_hidden_layers:
+        diffs.append(f"aux layer {deepest} vs the target's {target_config.num_hidden_layers} layers")
     if diffs:
         raise HeadMismatchError("draft head does not fit the target model (" + "; ".join(diffs) + ")")

@@ -27,6 +27,7 @@ from ..errors import CheckpointError, EaglespecError
 from ..io import atomic_save_safetensors, atomic_write_json
 from .data import load_conversations, render, split
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHARD_KEYS = ("input_ids", "features", "loss_mask", "offsets", "token_counts")
 
 
@@ -41,11 +42,15 @@ class ExtractConfig:
     seed: int = 0
     conversations_per_shard: int = 64
     batch_tokens: int = 4096
+    aux_layers: str = ""  # also write each shard's aux file: these layers' hidden states (EAGLE-3 fusion)
+    aux_only: bool = False  # only add aux files to the shards already in out_dir (e.g. `regenerate`'s)
+    dtype: str = "float32"  # or "bfloat16": ~4x faster on a CPU with bf16 matrix units, features within ~2 %
 
 
 @torch.inference_mode()
-def features_for(model, batch: list[list[int]]) -> list[torch.Tensor]:
-    """Final-norm hidden states (what the LM head reads) for a right-padded batch."""
+def features_for(model, batch: list[list[int]], layers: list[int] | None = None) -> list[torch.Tensor]:
+    """Final-norm hidden states (what the LM head reads) for a right-padded batch, (n, H) each;
+    with `layers`, those layers' hidden states instead (`output_hidden_states` numbering), (n, k, H)."""
     width = max(len(x) for x in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     att = torch.zeros(len(batch), width, dtype=torch.long)
@@ -53,24 +58,51 @@ def features_for(model, batch: list[list[int]]) -> list[torch.Tensor]:
         ids[i, : len(x)] = torch.tensor(x)
         att[i, : len(x)] = 1
     dev = next(model.parameters()).device
-    h = model.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev)).last_hidden_state
+    out = model.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev), output_hidden_states=bool(layers))
+    h = torch.stack([out.hidden_states[i] for i in layers], 2) if layers else out.last_hidden_state
     return [h[i, : len(x)].float().cpu() for i, x in enumerate(batch)]
+
+
+def _all_features(model, seqs: list[list[int]], batch_tokens: int, bar: tqdm,
+                  layers: list[int] | None = None) -> list[torch.Tensor]:
+    """`features_for` every sequence, batched by length (at most `batch_tokens` padded per batch)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    feats: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and (end - start + 1) * len(seqs[order[end]]) <= batch_tokens:
+            end += 1
+        idx = order[start:end]
+        for i, f in zip(idx, features_for(model, [seqs[i] for i in idx], layers)):
+            feats[i] = f
+            bar.update(len(seqs[i]))
+        start = end
+    return feats
+
+
+def add_aux(folder: Path, model, layers: list[int], batch_tokens: int = 4096) -> int:
+    """Write the aux file of every shard under `folder` (all splits) that has none; resumable shard
+    by shard. Returns the tokens done now."""
+    shards = [s for s in shard_files(folder, "*/shard_*.safetensors") + shard_files(folder)
+              if not aux_path(s).exists()]
+    sizes = [int(read_shard(s)["offsets"][-1]) for s in shards]
+    bar = tqdm(total=sum(sizes), unit="tok", unit_scale=True, desc=f"aux layers {layers}", dynamic_ncols=True)
+    for path in shards:
+        t = read_shard(path)
+        off = t["offsets"].tolist()
+        seqs = [t["input_ids"][a:b].tolist() for a, b in zip(off, off[1:])]
+        aux = torch.cat(_all_features(model, seqs, batch_tokens, bar, layers))
+        if aux.abs().max() > 60000:
+            raise EaglespecError("aux features overflow float16")
+        atomic_save_safetensors({"aux": aux.half(), "layers": torch.tensor(layers, dtype=torch.int64)}, aux_path(path))
+    bar.close()
+    return sum(sizes)
 
 
 def _shard(model, items: list[tuple[list[int], list[int]]], vocab: int, batch_tokens: int,
            bar: tqdm) -> dict[str, torch.Tensor]:
-    order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
-    feats: list[torch.Tensor | None] = [None] * len(items)
-    start = 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and (end - start + 1) * len(items[order[end]][0]) <= batch_tokens:
-            end += 1
-        idx = order[start:end]
-        for i, f in zip(idx, features_for(model, [items[i][0] for i in idx])):
-            feats[i] = f
-            bar.update(len(items[i][0]))
-        start = end
+    feats = _all_features(model, [ids for ids, _ in items], batch_tokens, bar)
     return pack_shard([(ids, mask, f) for (ids, mask), f in zip(items, feats)], vocab)  # type: ignore[misc]
 
 
@@ -97,7 +129,19 @@ def unpack_shard(t: dict[str, torch.Tensor]) -> list[tuple[list[int], list[int],
 def extract(cfg: ExtractConfig) -> dict:
     from ..models import load_target
 
+    if cfg.dtype not in DTYPES:
+        raise EaglespecError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    layers = parse_layers(cfg.aux_layers)
     out = Path(cfg.out_dir)
+    if cfg.aux_only:
+        if not layers:
+            raise EaglespecError("--aux-only needs --aux-layers")
+        if not shard_files(out, "*/shard_*.safetensors"):
+            raise EaglespecError(f"{out}: no feature shards to add aux layers to")
+        model, _ = load_target(cfg.model, dtype=DTYPES[cfg.dtype])
+        t0 = time.perf_counter()
+        n = add_aux(out, model, layers, cfg.batch_tokens)
+        return {"aux_layers": layers, "new_tokens": n, "tokens_per_s": n / max(time.perf_counter() - t0, 1e-9)}
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
     settings = {"model": cfg.model, "data": cfg.data, "max_len": cfg.max_len, "heldout": cfg.heldout,
@@ -107,7 +151,7 @@ def extract(cfg: ExtractConfig) -> dict:
         if old.get("settings") != settings:
             raise EaglespecError(f"{out} holds an extraction with other settings {old.get('settings')}; "
                                  "use another --out or the same settings to resume")
-    model, tok = load_target(cfg.model)
+    model, tok = load_target(cfg.model, dtype=DTYPES[cfg.dtype])
     vocab = model.config.vocab_size
     train_convs, held_convs = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)
     report = {"settings": settings, "hidden_size": model.config.hidden_size, "vocab_size": vocab}
@@ -142,7 +186,48 @@ def extract(cfg: ExtractConfig) -> dict:
                             "new_tokens": tok_new, "tokens_per_s": tok_new / t_new if t_new else None}
             atomic_write_json(report, manifest_path)
         bar.close()
+    if layers:
+        report["aux_layers"] = layers
+        add_aux(out, model, layers, cfg.batch_tokens)
     return report
+
+
+def shard_files(folder: Path, pattern: str = "shard_*.safetensors") -> list[Path]:
+    """The feature shards in `folder`, in order (not their aux files)."""
+    return sorted(p for p in folder.glob(pattern) if not p.name.endswith(".aux.safetensors"))
+
+
+def parse_layers(text: str) -> list[int]:
+    """ "3,15,27" -> [3, 15, 27] ("" -> [])."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise EaglespecError(f"aux layers must be comma-separated integers, got {text!r}") from None
+
+
+def aux_path(shard: Path) -> Path:
+    """Where a shard's aux features lie: the hidden states of more target layers, for a head that
+    fuses them (`head.aux_layers`), kept beside the shard so one extraction serves both kinds."""
+    return shard.with_name(shard.stem + ".aux.safetensors")
+
+
+def read_aux(shard: Path, layers: list[int], n: int) -> torch.Tensor:
+    """(n, k, H) aux features of `shard` for exactly these layers; a clear error otherwise."""
+    path = aux_path(shard)
+    try:
+        t = load_file(str(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; run `eaglespec extract --aux-layers "
+                              f"{','.join(map(str, layers))}` on this feature folder") from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated aux shard ({e}); delete it and re-run extract") from None
+    if "aux" not in t or "layers" not in t:
+        raise CheckpointError(f"{path}: not an aux shard (needs 'aux' and 'layers')")
+    if t["layers"].tolist() != list(layers):
+        raise CheckpointError(f"{path}: holds layers {t['layers'].tolist()}, the head fuses {list(layers)}")
+    if t["aux"].dim() != 3 or t["aux"].shape[:2] != (n, len(layers)):
+        raise CheckpointError(f"{path}: aux shape {tuple(t['aux'].shape)} does not match its shard ({n} tokens)")
+    return t["aux"]
 
 
 def read_shard(path: Path) -> dict[str, torch.Tensor]:

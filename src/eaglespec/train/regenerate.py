@@ -39,10 +39,9 @@ from tqdm import tqdm
 from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
 from .data import SHAREGPT_FROM, dropped_first_turns, load_conversations, split
-from .extract import pack_shard, read_shard, unpack_shard
+from .extract import DTYPES, aux_path, pack_shard, read_shard, shard_files, unpack_shard
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROMPTS = ("split", "dropped")  # the training split's first user turns, or the records it leaves out
 DROPPED_ID0 = 100_000  # record ids of `dropped` prompts start here, apart from the split's conversation indices
 
@@ -96,7 +95,7 @@ def _reconcile_shards(folder: Path, done: set[int]) -> None:
     """Keep in the shards only conversations the JSONL holds (an interrupted batch wrote its shard but
     not all its lines), each once."""
     seen: set[int] = set()
-    for path in sorted(folder.glob("*/shard_*.safetensors")):
+    for path in shard_files(folder, "*/shard_*.safetensors"):
         t = read_shard(path)
         if "conv_ids" not in t:
             raise EaglespecError(f"{path}: not a regenerate feature shard (no conv_ids)")
@@ -105,6 +104,7 @@ def _reconcile_shards(folder: Path, done: set[int]) -> None:
         seen.update(conv)
         if all(keep):
             continue
+        aux_path(path).unlink(missing_ok=True)  # no longer the shard's
         kept = [(c, item) for c, item, k in zip(conv, unpack_shard(t), keep) if k]
         if kept and _save_shard(path.parent, kept, t["token_counts"].numel()) == path:
             continue

@@ -30,7 +30,7 @@ from ..head import EagleDraftHead, read_head_config
 from ..io import atomic_torch_save, atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
 from ..tree import float_mask
-from .extract import read_shard
+from .extract import parse_layers, read_aux, read_shard, shard_files
 
 
 @dataclass
@@ -60,6 +60,7 @@ class TrainConfig:
     unroll_decay: float = 0.8  # loss weight of step s is unroll_decay ** (s - 1)
     unroll_fraction: float = 0.25  # share of anchors whose chains train at steps >= 2
     layers: int = 0  # decoder layers of the head (0: the --init head's, else 1); more than --init's grows it
+    aux_layers: str = ""  # EAGLE-3 feature fusion: target layers fed to the head too, e.g. "3,15,27" ("": --init's)
 
     def validate(self) -> None:
         checks = [("epochs", self.epochs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
@@ -80,21 +81,26 @@ class Sequences:
     token_counts: torch.Tensor | None = None
 
 
-def load_split(*folders: Path) -> Sequences:
-    """Every shard of the given split folders, in order."""
+def load_split(*folders: Path, aux_layers: list[int] | None = None) -> Sequences:
+    """Every shard of the given split folders, in order. With `aux_layers`, each conversation's
+    features are f_j followed by those layers' hidden states (the shards' aux files), (N, H * (1 + k))."""
     shards = []
     for folder in folders:
-        found = sorted(folder.glob("shard_*.safetensors"))
+        found = shard_files(folder)
         if not found:
             raise EaglespecError(f"{folder}: no feature shards (run `eaglespec extract` first)")
         shards += found
     seqs = Sequences()
     for path in shards:
         t = read_shard(path)
+        feats = t["features"]
+        if aux_layers:
+            aux = read_aux(path, aux_layers, feats.shape[0])
+            feats = torch.cat([feats[:, None], aux.to(feats.dtype)], 1).flatten(1)
         off = t["offsets"].tolist()
         for a, b in zip(off, off[1:]):
             seqs.ids.append(t["input_ids"][a:b].long())
-            seqs.feats.append(t["features"][a:b])
+            seqs.feats.append(feats[a:b])
             seqs.mask.append(t["loss_mask"][a:b].bool())
         c = t["token_counts"]
         seqs.token_counts = c.clone() if seqs.token_counts is None else seqs.token_counts + c
@@ -159,7 +165,8 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
     independent, so steps >= 2 run on a random `unroll_fraction` of the anchors (`unroll_anchors`):
     the LM head at every step is most of the cost.
     """
-    inp_f = feats[:, :-1]
+    inp_f = feats[:, :-1]  # f_j, and the aux layers' hidden states after it if the head fuses them
+    feats = feats[..., : getattr(head, "module", head).hidden_size]  # what the head predicts: f_{j+1}
     if noise > 0:
         u = torch.rand(inp_f.shape, generator=generator, device="cpu").to(inp_f.device)
         inp_f = inp_f + (u * 2 - 1) * noise
@@ -251,7 +258,7 @@ def unroll_accuracy(head: EagleDraftHead, seqs: Sequences, n: int, steps: int) -
         T = ids.numel() - 1
         if T < 2:
             continue
-        target_arg = lm_full(f).argmax(-1)  # (T+1,): the target's greedy next token after each position
+        target_arg = lm_full(f[:, : head.hidden_size]).argmax(-1)  # (T+1,): the target's greedy next token after each position
         for s, idx, at, out in unroll_head(head, ids[None], f[None, :-1], steps, KVCache(T * steps)):
             pred = head.to_target_ids(head.logits(out[0]).argmax(-1))
             valid = (idx + s <= T) & msk[at + 1]
@@ -292,12 +299,14 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     target, tok = load_target(cfg.model, device=str(acc.device))
     for p in target.parameters():
         p.requires_grad_(False)
-    train_set = load_split(*(d / "train" for d in feats_dirs))
-    held = load_split(feats_dirs[0] / "heldout")
+    aux_layers = parse_layers(cfg.aux_layers) or (read_head_config(Path(cfg.init)).get("aux_layers") or []
+                                                   if cfg.init else [])
+    train_set = load_split(*(d / "train" for d in feats_dirs), aux_layers=aux_layers)
+    held = load_split(feats_dirs[0] / "heldout", aux_layers=aux_layers)
     widths = {f.shape[-1] for f in train_set.feats}
-    if widths != {target.config.hidden_size}:
-        raise EaglespecError(f"features in {cfg.features} have hidden size {sorted(widths)}, "
-                             f"the target {cfg.model} has {target.config.hidden_size}")
+    if widths != {target.config.hidden_size * (1 + len(aux_layers))}:
+        raise EaglespecError(f"features in {cfg.features} have width {sorted(widths)}, the target {cfg.model} "
+                             f"has hidden size {target.config.hidden_size}")
 
     ck = _latest(out) if resume else None
     if ck is not None:
@@ -314,11 +323,12 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         if cfg.init:
             head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
             head.grow(max(cfg.layers, head.num_layers))  # new layers start as the identity
+            head.add_aux_layers(aux_layers)  # a new fusion starts at zero
         else:
             always = eos_ids(tok, target)
             d2t = draft_vocabulary(train_set.token_counts, cfg.draft_vocab, always)
             head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t,
-                                  num_layers=max(1, cfg.layers)).bind(target)
+                                  num_layers=max(1, cfg.layers), aux_layers=aux_layers).bind(target)
         state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
