@@ -155,12 +155,13 @@ class Engine:
         return time.perf_counter()
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor | None = None, aux: bool = False) -> torch.Tensor:
         """Target forward on new tokens x (B, q) -> final-norm hidden states (features), (B, q, H),
-        followed by the aux layers' hidden states if the head fuses them, (B, q, H * (1 + k))."""
+        followed with `aux` by the layers the head fuses (if any), (B, q, H * (1 + k))."""
+        aux = aux and bool(self.aux_layers)  # vanilla decoding never pays for them
         out = self.decoder(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                           use_cache=True, output_hidden_states=bool(self.aux_layers))
-        if not self.aux_layers:
+                           use_cache=True, output_hidden_states=aux)
+        if not aux:
             return out.last_hidden_state
         return torch.cat([out.last_hidden_state] + [out.hidden_states[i] for i in self.aux_layers], -1)
 
@@ -276,7 +277,7 @@ class Engine:
             causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(causal[None] & (pos[:, None, :] < torch.tensor(lens, device=self.device)[:, None, None]),
                               self.dtype)
-        feats = self._forward(x, pos, cache, mask)
+        feats = self._forward(x, pos, cache, mask, aux=eagle)
         last = self.lm_head(torch.stack([feats[b, n - 1, : self.hidden_size] for b, n in enumerate(lens)]))
         rows = [_Row(b, n, self._choose(last[b], sp, gen), stats[b]) for b, n in enumerate(lens)]
         for r in rows:
@@ -333,7 +334,7 @@ class Engine:
                 node_tokens, node_q, cur = [[r.root] for r in rows], [[None] for _ in rows], self.plain
             tb = self._clock()
             prefix = cache.get_seq_length()
-            paths, bonuses, feats = self._verify(rows, node_tokens, node_q, cur, cache, sp, gen)
+            paths, bonuses, feats = self._verify(rows, node_tokens, node_q, cur, cache, sp, gen, eagle)
             keeps = [[0] + path for path in paths]  # tree rows to keep: the root and the accepted nodes
             if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
                 cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
@@ -687,8 +688,8 @@ class Engine:
 
     # -- verification -----------------------------------------------------------------------------
     def _verify(self, rows: list["_Row"], node_tokens: list[list[int]], node_q: list[list[torch.Tensor | None]],
-                tree: TreeBuffers, cache: KVCache, sp: SamplingParams, gen: torch.Generator | None
-                ) -> tuple[list[list[int]], list[int], torch.Tensor]:
+                tree: TreeBuffers, cache: KVCache, sp: SamplingParams, gen: torch.Generator | None,
+                aux: bool = False) -> tuple[list[list[int]], list[int], torch.Tensor]:
         """One target forward over every row's root + tree nodes; per row the accepted nodes and
         the bonus token, and the features (B, n, H)."""
         prefix = cache.get_seq_length()
@@ -699,7 +700,7 @@ class Engine:
         if ragged or tree.n > 1:
             mask = float_mask(prefix_tree_mask(tree.ancestor_mask.to(self.device), prefix, n_ctx if ragged else None),
                               self.dtype)
-        feats = self._forward(torch.tensor(node_tokens, device=self.device), positions, cache, mask)
+        feats = self._forward(torch.tensor(node_tokens, device=self.device), positions, cache, mask, aux)
         logits = self.lm_head(feats[..., : self.hidden_size])
         paths, bonuses = [], []
         argmax = logits.argmax(-1).tolist() if sp.greedy else None
