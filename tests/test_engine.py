@@ -447,6 +447,9 @@ def test_fused_head_reads_the_targets_aux_layers(tiny_pair, tree):
     draft = eng.generate(PROMPTS[2], 40).stats
     for p in PROMPTS:
         assert eng.generate(p, 40, method="eagle").token_ids == hf_greedy(model, p, 40)
+    if tree == "paper":  # ragged batch rows carry their aux features too
+        outs = eng.generate_batch(PROMPTS, 30)
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 30) for p in PROMPTS]
     with torch.no_grad():
         head.fuse.weight.zero_()
     assert eng.generate(PROMPTS[2], 40).stats.accept_lengths != draft.accept_lengths
