@@ -337,6 +337,10 @@ def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path):
     shards = sorted((feats / "train").glob("shard_*[0-9].safetensors"))
     assert rep["new_tokens"] > 0 and all(aux_path(s).is_file() for s in shards)
     assert extract(cfg)["new_tokens"] == 0  # resumed: nothing left to do
+    with pytest.raises(CheckpointError, match="holds layers"):
+        extract(ExtractConfig(model=str(root / "model"), out_dir=str(feats), aux_layers="2", aux_only=True))
+    with pytest.raises(EaglespecError, match="must lie in"):
+        extract(ExtractConfig(model=str(root / "model"), out_dir=str(feats), aux_layers="1,9", aux_only=True))
     t, aux = read_shard(shards[0]), load_file(str(aux_path(shards[0])))
     a, b = t["offsets"][:2].tolist()
     model = AutoModelForCausalLM.from_pretrained(root / "model")

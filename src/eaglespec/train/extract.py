@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
@@ -84,8 +84,19 @@ def _all_features(model, seqs: list[list[int]], batch_tokens: int, bar: tqdm,
 def add_aux(folder: Path, model, layers: list[int], batch_tokens: int = 4096) -> int:
     """Write the aux file of every shard under `folder` (all splits) that has none; resumable shard
     by shard. Returns the tokens done now."""
-    shards = [s for s in shard_files(folder, "*/shard_*.safetensors") + shard_files(folder)
-              if not aux_path(s).exists()]
+    depth = model.config.num_hidden_layers
+    if not layers or any(i < 0 or i > depth for i in layers):
+        raise EaglespecError(f"aux layers must lie in 0..{depth} (0 = the embeddings), got {layers}")
+    shards = []
+    for s in shard_files(folder, "*/shard_*.safetensors") + shard_files(folder):
+        if not aux_path(s).exists():
+            shards.append(s)
+            continue
+        with safe_open(str(aux_path(s)), "pt") as f:  # only the small tensor, not the states
+            has = f.get_tensor("layers").tolist() if "layers" in f.keys() else None
+        if has != list(layers):
+            raise CheckpointError(f"{aux_path(s)}: holds layers {has}, asked for {list(layers)}; "
+                                  "delete the aux files to recompute them")
     sizes = [int(read_shard(s)["offsets"][-1]) for s in shards]
     bar = tqdm(total=sum(sizes), unit="tok", unit_scale=True, desc=f"aux layers {layers}", dynamic_ncols=True)
     for path in shards:
