@@ -132,6 +132,8 @@ def test_auto_tree_measures_again_when_the_cached_curve_is_wrong(tiny_pair, tmp_
     assert out.stats.rounds >= 16
     again = CostProfile.load(path)
     assert eng.costs == again and again.verify_s[0] < 10 * true.verify_s[0]  # the cache holds the new one
+    assert 0 < out.stats.measure_time_s < out.stats.time_s  # the re-measure is reported apart
+    assert eng.generate(PROMPTS[1], 20).stats.measure_time_s == 0.0
 
 
 def test_target_tokens_outside_draft_vocabulary(tiny_pair):

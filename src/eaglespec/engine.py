@@ -34,6 +34,7 @@ class GenerationStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     time_s: float = 0.0
+    measure_time_s: float = 0.0  # re-measuring the cost curve mid-generation (`CostWatch`), inside time_s
     # n-alpha: at a tree position reached with n draft-predicted features upstream, was a child accepted?
     alpha_accepted: list[int] = field(default_factory=list)
     alpha_total: list[int] = field(default_factory=list)
@@ -56,7 +57,7 @@ class GenerationStats:
             "rounds": self.rounds, "new_tokens": self.new_tokens, "tau": self.tau,
             "accept_lengths": self.accept_lengths, "time_s": self.time_s, "tokens_per_s": self.tokens_per_s,
             "prefill_time_s": self.prefill_time_s, "draft_time_s": self.draft_time_s,
-            "verify_time_s": self.verify_time_s, "n_alpha": self.n_alpha,
+            "verify_time_s": self.verify_time_s, "measure_time_s": self.measure_time_s, "n_alpha": self.n_alpha,
             "alpha_accepted": self.alpha_accepted, "alpha_total": self.alpha_total,
             "lookup_tokens": self.lookup_tokens,
         }
@@ -342,6 +343,8 @@ class Engine:
             if self._watch is not None and use_tree and self._watch.observe(cur.n, tc - tb):
                 self.costs = load_or_measure(self, fresh=True)
                 self._watch.replace(self.costs)
+                for r in rows:  # a one-off cost, but not the decoding's: benchmarks leave it out
+                    r.stats.measure_time_s += self._clock() - tc
             events = []
             for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
                 r.n_ctx += len(keep)
