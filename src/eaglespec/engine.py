@@ -123,8 +123,6 @@ class Engine:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.head = head.eval() if head is not None else None
-        # EAGLE-3 fusion: the head also reads these layers' hidden states, riding after f_j
-        self.aux_layers: list[int] = list(head.aux_layers) if head is not None else []
         self.hidden_size = int(model.config.hidden_size)
         quant = getattr(model.config, "eaglespec_quantization", None)
         if self.head is not None and (quant or getattr(model.config, "eaglespec_kernels", None) == "packed"):
@@ -154,6 +152,11 @@ class Engine:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    @property
+    def aux_layers(self) -> list[int]:
+        """EAGLE-3 fusion: the target layers whose hidden states the head also reads, after f_j."""
+        return self.head.aux_layers if self.head is not None else []
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None = None, aux: bool = False) -> torch.Tensor:

@@ -97,16 +97,17 @@ def add_aux(folder: Path, model, layers: list[int], batch_tokens: int = 4096) ->
         if has != list(layers):
             raise CheckpointError(f"{aux_path(s)}: holds layers {has}, asked for {list(layers)}; "
                                   "delete the aux files to recompute them")
-    sizes = [int(read_shard(s)["offsets"][-1]) for s in shards]
+    sizes = []
+    for s in shards:  # for the progress bar: the token count alone, not the whole shard (read below)
+        with safe_open(str(s), "pt") as f:
+            sizes.append(f.get_slice("input_ids").get_shape()[0])
     bar = tqdm(total=sum(sizes), unit="tok", unit_scale=True, desc=f"aux layers {layers}", dynamic_ncols=True)
     for path in shards:
         t = read_shard(path)
         off = t["offsets"].tolist()
         seqs = [t["input_ids"][a:b].tolist() for a, b in zip(off, off[1:])]
-        aux = torch.cat(_all_features(model, seqs, batch_tokens, bar, layers))
-        if aux.abs().max() > 60000:
-            raise EaglespecError("aux features overflow float16")
-        atomic_save_safetensors({"aux": aux.half(), "layers": torch.tensor(layers, dtype=torch.int64)}, aux_path(path))
+        aux = _fp16(torch.cat(_all_features(model, seqs, batch_tokens, bar, layers)), "aux features")
+        atomic_save_safetensors({"aux": aux, "layers": torch.tensor(layers, dtype=torch.int64)}, aux_path(path))
     bar.close()
     return sum(sizes)
 
@@ -117,16 +118,21 @@ def _shard(model, items: list[tuple[list[int], list[int]]], vocab: int, batch_to
     return pack_shard([(ids, mask, f) for (ids, mask), f in zip(items, feats)], vocab)  # type: ignore[misc]
 
 
+def _fp16(x: torch.Tensor, what: str) -> torch.Tensor:
+    """Hidden states as stored (fp16), refusing values fp16 cannot hold."""
+    if x.abs().max() > 60000:
+        raise EaglespecError(f"{what} overflow float16; this target needs bf16 feature storage")
+    return x.half()
+
+
 def pack_shard(items: list[tuple[list[int], list[int], torch.Tensor]], vocab: int) -> dict[str, torch.Tensor]:
     """(input ids, loss mask, features) per conversation -> one shard's tensors."""
     ids = torch.tensor([t for x, _, _ in items for t in x], dtype=torch.int32)
     mask = torch.tensor([m for _, ms, _ in items for m in ms], dtype=torch.uint8)
-    f = torch.cat([f for _, _, f in items])
-    if f.abs().max() > 60000:
-        raise EaglespecError("features overflow float16; this target needs bf16 feature storage")
+    f = _fp16(torch.cat([f for _, _, f in items]), "features")
     lengths = torch.tensor([0] + [len(x) for x, _, _ in items], dtype=torch.int64)
     counts = torch.bincount(ids[mask.bool()].long(), minlength=vocab)
-    return {"input_ids": ids, "features": f.half(), "loss_mask": mask, "offsets": lengths.cumsum(0),
+    return {"input_ids": ids, "features": f, "loss_mask": mask, "offsets": lengths.cumsum(0),
             "token_counts": counts}
 
 
