@@ -33,17 +33,79 @@ def test_quantized_target_eagle_equals_its_own_vanilla():
     assert max(out.stats.accept_lengths) > 1
 
 
-def test_packed_target_eagle_equals_its_own_vanilla():
+needs_skinny = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).available(),
+                                  reason="the skinny kernel needs AVX-512F and a C compiler")
+
+
+@needs_skinny
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_kernel_matches_torch_linear_at_every_row_count(bias):
+    from eaglespec import kernels
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 77)  # 3 blocks of 32 outputs; K need not be a multiple of anything
+    b = torch.randn(96) if bias else None
+    packed = kernels.pack_weight(w)
+    for m in [1, 2, 5, 11, 12, 13, 24, 25, 40]:  # across the 12-row passes over a block
+        x = torch.randn(m, 77)
+        torch.testing.assert_close(kernels.linear(x, packed, b), torch.nn.functional.linear(x, w, b),
+                                   atol=1e-4, rtol=1e-4)
+    x = torch.randn(8, 77 * 2)[:, ::2]  # a strided input is made contiguous, not misread
+    torch.testing.assert_close(kernels.linear(x, packed, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    x = torch.randn(30, 77)  # each row is summed in the same order whatever else is in the call:
+    rows = torch.cat([kernels.linear(x[i:i + 1], packed, b) for i in range(30)])
+    assert torch.equal(kernels.linear(x, packed, b), rows)  # verifying a tree = decoding it token by token
+    with pytest.raises(ValueError, match="features"):
+        kernels.linear(torch.randn(2, 76), packed)
+    assert not kernels.fits(torch.randn(100, 77))  # not a multiple of 32 outputs: torch's kernels serve
+
+
+def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
+    from eaglespec import kernels
+
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false failed"):
+        kernels._build(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+@needs_skinny
+def test_packed_linear_picks_skinny_for_few_rows_and_torch_for_a_prefill(monkeypatch):
+    from eaglespec import kernels
+    from eaglespec.quant import PackedLinear
+
+    lin = torch.nn.Linear(64, 96)
+    p = PackedLinear(lin)
+    assert p.skinny
+    calls = []
+    real = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.no_grad():
+        for m in (1, 7, PackedLinear.SKINNY_ROWS, PackedLinear.SKINNY_ROWS + 1):
+            x = torch.randn(1, m, 64)
+            torch.testing.assert_close(p(x), lin(x), atol=1e-4, rtol=1e-4)
+    assert calls == [1, 7, PackedLinear.SKINNY_ROWS]
+    assert not PackedLinear(torch.nn.Linear(64, 100)).skinny  # 100 outputs: oneDNN's packing instead
+
+
+@pytest.mark.parametrize("kernel", ["skinny", "onednn"])
+def test_packed_target_eagle_equals_its_own_vanilla(kernel, monkeypatch):
+    from eaglespec import kernels
     from eaglespec.quant import PackedLinear, pack_target, packed_linear_available
 
+    if kernel == "onednn":
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    elif not kernels.available():
+        pytest.skip("the skinny kernel is not available here")
     if not packed_linear_available():
-        import pytest
         pytest.skip("oneDNN not available")
     model = tiny_target("qwen2", seed=4)
     ref_model = tiny_target("qwen2", seed=4)
     head = good_head(model)
     pack_target(model)
     assert isinstance(model.lm_head, PackedLinear)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert {m.skinny for m in layers} == {kernel == "skinny"}
     x = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, ref_model(x).logits, atol=1e-4, rtol=1e-4)

@@ -21,10 +21,10 @@ def default_head(model: str) -> str | None:
     return str(path) if (path / "config.json").is_file() else None
 
 
-PACK_HELP = ("fp32 weights pre-packed for oneDNN (CPU): the same model, faster when several tokens go through "
-             "a layer (verification); every method uses it. Whether it pays depends on the CPU: on AVX2 EPYC "
-             "one token too got faster (76 -> 56 ms), on an AMX Xeon slower (41 -> 53 ms); `eaglespec profile "
-             "--packed` measures yours")
+PACK_HELP = ("fp32 weights pre-packed (CPU) for eaglespec's AVX-512 kernel, or oneDNN's without AVX-512: the "
+             "same model, streamed once per forward however many tokens a tree sends; every method uses it. "
+             "Default: on where the AVX-512 kernel runs (2-core Xeon: one token 36 -> 31 ms, 8 tokens 66 -> 43 ms); "
+             "`eaglespec profile --packed` measures yours")
 COMPILE_HELP = ("torch.compile the plain fp32 target's decoder (every method uses it; minutes of compilation "
                 "per process). Slower than --packed on a 2-core CPU (BENCHMARKS.md section 7); may pay elsewhere")
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
@@ -37,7 +37,7 @@ TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTA
 def _add_target_kernels(p: argparse.ArgumentParser) -> None:
     """How the target runs (every method of a command uses the same): --quantize, --packed, --compile."""
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
-    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False, help=PACK_HELP)
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None, help=PACK_HELP)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
 
 

@@ -224,7 +224,7 @@ class EagleDraftHead(nn.Module):
 
     def pack(self, kind: str = "packed") -> "EagleDraftHead":
         """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
-        "packed" = fp32 pre-packed for oneDNN (`quant.PackedLinear`), "int4" = `quant.Int4Linear`.
+        "packed" = fp32 pre-packed (`quant.PackedLinear`), "int4" = `quant.Int4Linear`.
         A draft is any distribution we can sample from, so a quantized head stays lossless."""
         from .quant import (Int4Linear, PackedLinear, int4_available, pack_linears, packed_linear_available,
                             replace_linears)

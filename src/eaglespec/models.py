@@ -140,12 +140,14 @@ def eos_ids(tok: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
 
 
 def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                attn_implementation: str = "sdpa", quantize: str | None = None, packed: bool = False,
+                attn_implementation: str = "sdpa", quantize: str | None = None, packed: bool | None = None,
                 compile: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model + tokenizer, ready for `Engine`. Greedy decoding settings of its generation_config
     (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
     ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``packed=True``: fp32 linear layers with
-    weights pre-packed for oneDNN, much faster on CPU for more than one token (see `eaglespec.quant`);
+    weights pre-packed for a CPU kernel that streams them once for a whole draft tree (`eaglespec.kernels`
+    with AVX-512, else oneDNN; see `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where
+    the AVX-512 kernel runs (a plain fp32 CPU target), since it is as fast or faster at every size there;
     ``compile=True``: the decoder goes through ``torch.compile`` (see `compile_decoder`)."""
     if quantize not in (None, "none", "int8", "int4"):
         raise EaglespecError(f"quantize must be 'int8', 'int4' or none, got {quantize!r}")
@@ -156,6 +158,11 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         # without transformers' copy of the KV cache per masked call (same results, bit for bit)
         exact = register()
         attn_implementation = exact if attn_implementation == "exact" else GQA_NAME
+    if packed is None:
+        from . import kernels
+
+        packed = device == "cpu" and quantize in (None, "none") and not compile and dtype == torch.float32 \
+            and kernels.available()
     if compile and (packed or quantize in ("int8", "int4")):
         # inductor cannot lower oneDNN pre-packed or int4-packed weights
         raise EaglespecError("compile works on the plain fp32 target: drop --packed / --quantize")

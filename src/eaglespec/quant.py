@@ -181,29 +181,49 @@ def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True) -> n
 
 
 def packed_linear_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    from . import kernels
+
+    return kernels.available() or (torch.backends.mkldnn.is_available()
+                                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 class PackedLinear(nn.Module):
-    """fp32 linear whose weight is reordered once for oneDNN's GEMM.
+    """fp32 linear whose weight is reordered once for a CPU kernel that streams it once per call.
 
-    torch's default CPU linear repacks the weight on every call when more than one token goes
-    through it, which makes verifying 2-26 tokens cost 1.7-3x a one-token step on this machine;
-    a pre-packed weight streams once. Measured on 2 EPYC cores: SmolLM2's LM head, 1 token
-    14.7 -> 7.8 ms, 26 tokens 46 -> 17 ms.
+    torch's default CPU linear is tuned for big matrices: sending 2-26 tokens through it (a draft
+    tree) costs 1.5-2x a one-token step. With AVX-512 the weight is laid out for `kernels`
+    (`skinny.c`), used up to `SKINNY_ROWS` rows (a prefill goes to torch's GEMM); elsewhere it is
+    pre-packed for oneDNN (measured on 2 EPYC cores: SmolLM2's LM head, 1 token 14.7 -> 7.8 ms,
+    26 tokens 46 -> 17 ms).
     """
 
+    SKINNY_ROWS = 64
+
     def __init__(self, linear: nn.Linear):
+        from . import kernels
+
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # kept (shared): a tied embedding and the draft head read it
         self.bias = linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.skinny = kernels.available() and kernels.fits(linear.weight)
+        if self.skinny:
+            self.packed = kernels.pack_weight(linear.weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed,
-                                               None if self.bias is None else self.bias.detach(), "none", [], "")
+        x2 = x.reshape(-1, shape[-1])
+        bias = None if self.bias is None else self.bias.detach()
+        if not self.skinny:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
+        elif x2.shape[0] <= self.SKINNY_ROWS and x2.dtype == torch.float32 and not x2.requires_grad:
+            from . import kernels
+
+            y = kernels.linear(x2, self.packed, bias)
+        else:
+            y = nn.functional.linear(x2, self.weight.detach(), bias)
         return y.view(*shape[:-1], self.out_features)
 
 
@@ -232,4 +252,6 @@ def pack_target(model: nn.Module) -> nn.Module:
     if type(head) is nn.Linear and packed_linear_available():
         model.set_output_embeddings(PackedLinear(head))
     model.config.eaglespec_kernels = "packed"
+    skinny = any(getattr(m, "skinny", False) for m in model.modules())
+    model.config.eaglespec_packed_kernel = "skinny" if skinny else "oneDNN"
     return model

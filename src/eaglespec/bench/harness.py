@@ -88,8 +88,9 @@ class BenchConfig:
     warmup: int = 1
     first_turn_only: bool = False
     quantize: str = "none"  # "int8" / "int4": every method runs the same weight-only quantized target
-    packed: bool = False  # every method runs the same target with oneDNN pre-packed weights
+    packed: bool | None = None  # every method runs the same target with pre-packed fp32 weights; None: auto
     compile: bool = False  # every method runs the same torch.compile'd target
+    packed_kernel: str = ""  # set by run_bench: "skinny" (AVX-512) or "oneDNN"
     batch_sizes: tuple[int, ...] = (1,)  # > 1: also the batch throughput table (vanilla vs eagle)
     extra: dict = field(default_factory=dict)
 
@@ -208,6 +209,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     from ..models import load_target
 
     model, tok = load_target(cfg.model, quantize=cfg.quantize, packed=cfg.packed, compile=cfg.compile)
+    cfg.packed = getattr(model.config, "eaglespec_kernels", None) == "packed"  # what `None` (auto) chose
+    cfg.packed_kernel = getattr(model.config, "eaglespec_packed_kernel", "") if cfg.packed else ""
     head = EagleDraftHead.from_pretrained(cfg.head, model) if cfg.head else None
     runner = Runner(model, tok, head, cfg)
     out = Path(cfg.out)
@@ -382,10 +385,11 @@ def _f(x, nd=2, pct=False, unit=""):
 
 def report_markdown(result: dict) -> str:
     cfg, mach = result["config"], result["machine"]
+    packed = f" ({cfg.get('packed_kernel') or 'oneDNN'} pre-packed)" if cfg.get("packed") else ""
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
-             f"{cfg.get('quantize') if cfg.get('quantize') in ('int8', 'int4') else 'fp32'}{' (oneDNN pre-packed)' if cfg.get('packed') else ''}{', torch.compile' if cfg.get('compile') else ''}",
+             f"{cfg.get('quantize') if cfg.get('quantize') in ('int8', 'int4') else 'fp32'}{packed}{', torch.compile' if cfg.get('compile') else ''}",
              f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
              f"transformers {mach['transformers']}; {mach['date']}", ""]
     for (ds, temp) in sorted({(r["dataset"], r["temperature"]) for r in result["summary"]}):

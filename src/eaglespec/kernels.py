@@ -1,0 +1,108 @@
+"""A CPU fp32 linear kernel for few rows (`skinny.c`), built on first use with the system's C compiler.
+
+Speculative decoding sends 2-30 tokens through every linear layer where vanilla sends one. On
+this project's 2-core Xeon torch's default kernel costs 1.6x a one-token step at 4 rows and 2x at
+8 (BENCHMARKS.md section 1), which caps the tree the cost model can afford. `skinny.c` streams
+each weight once whatever the row count (up to ~16 rows) and is no slower for one row.
+
+The shared library is compiled once per machine into ``$EAGLESPEC_CACHE/kernels`` (about half a
+second with gcc), named by a hash of the source and flags, written atomically. Where it cannot be
+built or run (no AVX-512, no compiler, ``EAGLESPEC_SKINNY=0``) `available()` is False and callers
+use torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("skinny.c")
+FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+BLOCK = 32  # output columns per weight block (NR in skinny.c)
+
+
+def _cpu_ok() -> bool:
+    from .costmodel import cpu_has
+
+    return cpu_has("avx512f")
+
+
+def _build(out_dir: Path) -> Path:
+    src = SOURCE.read_bytes()
+    digest = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib = out_dir / f"skinny-{digest}.so"
+    if lib.exists():
+        return lib
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
+        os.replace(tmp, lib)  # atomic: a concurrent process sees the old state or the whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("EAGLESPEC_SKINNY", "1") == "0" or not _cpu_ok():
+        return None
+    try:
+        from .models import cache_root
+
+        lib = ctypes.CDLL(str(_build(cache_root() / "kernels")))
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"eaglespec: the skinny fp32 kernel is unavailable ({e}); using torch's kernels")
+        return None
+    fn = lib.skinny_linear
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the skinny kernel runs here (x86-64 with AVX-512F and a C compiler)."""
+    return _lib() is not None
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether a weight can use the kernel: fp32 on the CPU with a multiple of 32 output rows."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 \
+        and weight.shape[0] % BLOCK == 0
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N / 32, K, 32): each block of 32 output rows transposed (skinny.c's layout)."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T + bias for a 2-D fp32 x (M, K), with `packed` = pack_weight(w)."""
+    m, k = x.shape
+    n = packed.shape[0] * BLOCK
+    if packed.shape[1] != k:
+        raise ValueError(f"input has {k} features, the weight expects {packed.shape[1]}")
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    b = None if bias is None else bias.detach().contiguous()
+    _lib().skinny_linear(x.data_ptr(), m, k, packed.data_ptr(), n, None if b is None else b.data_ptr(),
+                         y.data_ptr(), torch.get_num_threads())
+    return y
