@@ -10,8 +10,10 @@ TREE4=${TREE4:-auto+lookup}  # the same for the int4 target (its own ablation)
 BATCH_TREE=${BATCH_TREE:-chain:1}  # batches need a static tree
 mkdir -p "$OUT"
 # FP32: the fp32 target's kernels for every fp32 stage. "auto": --packed only where the profile stage
-# measured it faster for one token (vanilla's step; AVX2 EPYC: 56 vs 76 ms) and else torch's default
-# (AMX Xeon: 41 vs 53 ms); a slower vanilla than `hf` would make every ratio a lie.
+# measured it faster for one token (vanilla's step; AVX2 EPYC, oneDNN: 56 vs 76 ms; AMX Xeon,
+# eaglespec's AVX-512 kernel: 31 vs 36 ms) and else torch's default (AMX Xeon with oneDNN: 41 vs
+# 53 ms); a slower vanilla than `hf` would make every ratio a lie. Both are explicit flags: the
+# commands' own default (packed where the AVX-512 kernel runs) would make the comparison moot.
 FP32=${FP32:-auto}
 fp32_kernels() {
   if [ "$FP32" != auto ]; then echo "$FP32"; return; fi
@@ -26,8 +28,8 @@ PY
 }
 for stage in $STAGES; do
   case $stage in
-    profile)   # the machine's cost curve: fp32 (torch's default kernels), fp32 pre-packed, int8, int4
-      eaglespec profile --out "$OUT/profile" | tee "$OUT/profile.md"
+    profile)   # the machine's cost curve: fp32 (torch's default kernels), fp32 pre-packed (the default where it runs), int8, int4
+      eaglespec profile --no-packed --out "$OUT/profile" | tee "$OUT/profile.md"
       eaglespec profile --packed --out "$OUT/profile-packed" | tee "$OUT/profile-packed.md"
       eaglespec profile --quantize int8 --out "$OUT/profile-int8" | tee "$OUT/profile-int8.md"
       eaglespec profile --quantize int4 --out "$OUT/profile-int4" | tee "$OUT/profile-int4.md"

@@ -281,3 +281,19 @@ def test_compiled_target_greedy_equals_its_vanilla():
         assert vanilla == eager  # tiny logits have wide margins: the rounding difference never flips a token here
     finally:
         torch._dynamo.reset()  # compiled graphs must not leak into later tests, pass or fail
+
+
+def test_load_target_packs_by_default_exactly_where_the_skinny_kernel_runs(tiny_dirs, monkeypatch):
+    from eaglespec import kernels
+    from eaglespec.models import load_target
+    from eaglespec.quant import PackedLinear
+
+    def packed(**kw) -> bool:
+        model, _ = load_target(str(tiny_dirs / "model"), **kw)
+        return isinstance(model.lm_head, PackedLinear)
+
+    assert packed() == kernels.available()
+    assert not packed(packed=False)
+    assert not packed(quantize="int8")  # a quantized target has its own kernels
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert not packed()  # oneDNN's packing is slower for one token on some CPUs: only when asked
