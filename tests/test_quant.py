@@ -1,5 +1,7 @@
 """Weight-only int8 target: close to fp32 per layer, and EAGLE stays exactly lossless w.r.t. it."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -123,15 +125,31 @@ needs_int4 = __import__("pytest").mark.skipif(not __import__("eaglespec.quant", 
                                               reason="torch has no CPU int4 kernel")
 
 
+def int4_kernel(kernel: str, monkeypatch) -> None:
+    """Choose the int4 kernel: "skinny" (eaglespec's, fp32 activations) or "torch" (bf16 activations)."""
+    from eaglespec import kernels
+
+    if kernel == "torch":
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    elif not kernels.available():
+        pytest.skip("the skinny kernel is not available here")
+
+
 @needs_int4
-def test_int4_linear_is_its_dequantized_weight_and_row_independent():
+@pytest.mark.parametrize("kernel", ["skinny", "torch"])
+def test_int4_linear_is_its_dequantized_weight_and_row_independent(kernel, monkeypatch):
     from eaglespec.quant import Int4Linear
 
+    int4_kernel(kernel, monkeypatch)
     lin = torch.nn.Linear(64, 96)
     q = Int4Linear(lin)
+    assert q.skinny == (kernel == "skinny")
     x = torch.randn(7, 64)
-    ref = x.bfloat16().float() @ q.weight.T + lin.bias
-    torch.testing.assert_close(q(x), ref, atol=0.05, rtol=0.02)  # bf16 activations and output
+    if q.skinny:  # fp32 activations: the dequantized weight is exactly what is multiplied
+        torch.testing.assert_close(q(x), x @ q.weight.T + lin.bias, atol=1e-5, rtol=1e-5)
+    else:
+        ref = x.bfloat16().float() @ q.weight.T + lin.bias
+        torch.testing.assert_close(q(x), ref, atol=0.05, rtol=0.02)  # bf16 activations and output
     assert (q.weight - lin.weight).abs().max() < (lin.weight.abs().max() * 2 / 15)  # 4-bit rounding
     y = q(x)
     for k in (1, 2, 5):  # a row's result never depends on the other rows
@@ -198,16 +216,18 @@ def test_gqa_sdpa_equals_transformers_sdpa_bitwise(family):
 
 
 @needs_int4
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_int4_tree_rows_equal_one_by_one_decoding_bitwise(family):
-    """The property EAGLE needs: a token verified inside a tree gets exactly the hidden state it
-    gets when decoded alone after its ancestors."""
+@pytest.mark.parametrize("family,kernel", [("llama", "torch"), ("qwen2", "torch"), ("llama", "skinny")])
+def test_int4_tree_rows_equal_one_by_one_decoding_bitwise(family, kernel, monkeypatch):
+    """The property EAGLE needs with bf16 activations (torch's int4 kernel): a token verified
+    inside a tree gets exactly the hidden state it gets when decoded alone after its ancestors.
+    The skinny kernel keeps fp32 activations and fused SDPA, so there it holds to fp32 rounding."""
     from eaglespec.cache import KVCache
     from eaglespec.tree import float_mask, prefix_tree_mask
 
+    int4_kernel(kernel, monkeypatch)
     model = tiny_target(family, seed=5)
     quantize_weights(model, 4)
-    assert model.config._attn_implementation == "eaglespec_exact"
+    assert (model.config._attn_implementation == "eaglespec_exact") == (kernel == "torch")
     dec = model.get_decoder()
     prompt = torch.tensor([[5, 9, 17, 33, 2, 8]])
     a, b, c = 40, 41, 42  # tree: a -> b, and a -> c (c is b's sibling)
@@ -226,17 +246,21 @@ def test_int4_tree_rows_equal_one_by_one_decoding_bitwise(family):
             for j, t in enumerate(path):
                 solo.append(dec(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[p + j]]),
                                 past_key_values=cache, use_cache=True).last_hidden_state[0, 0])
-    assert torch.equal(tree[0], solo[0]) and torch.equal(tree[1], solo[1]) and torch.equal(tree[2], solo[3])
+    same = torch.equal if kernel == "torch" else partial(torch.allclose, atol=1e-5, rtol=1e-5)
+    assert same(tree[0], solo[0]) and same(tree[1], solo[1]) and same(tree[2], solo[3])
 
 
 @needs_int4
-@pytest.mark.parametrize("tree", ["paper", "chain:3", "dynamic:4,3,10"])
-def test_int4_target_eagle_equals_its_own_vanilla(tree):
+@pytest.mark.parametrize("tree,kernel", [("paper", "skinny"), ("chain:3", "skinny"), ("dynamic:4,3,10", "skinny"),
+                                         ("paper", "torch")])
+def test_int4_target_eagle_equals_its_own_vanilla(tree, kernel, monkeypatch):
+    int4_kernel(kernel, monkeypatch)
     model = tiny_target("llama", seed=6)
     head = good_head(model)
     quantize_weights(model, 4)
     eng = Engine(model, head, tree=tree)  # packs the head as int4 too
     assert head._packed_draft is None and type(head.fc).__name__ == "Int4Linear"
+    assert {m.skinny for m in model.modules() if type(m).__name__ == "Int4Linear"} == {kernel == "skinny"}
     accepted = []
     for ids in PROMPTS:
         ref = eng.generate(ids, 40, method="vanilla").token_ids

@@ -36,9 +36,10 @@ def chat(tok, text):
 
 
 def test_cached_copy_is_bit_identical_to_gguf(smol):
-    from eaglespec.models import load_gguf
+    from eaglespec.models import load_gguf, load_target
 
-    model, tok = smol
+    _, tok = smol
+    model, _ = load_target("smollm2-135m-instruct", packed=False)  # the same kernels as the reference
     ref, _ = load_gguf("smollm2-135m-instruct")
     ids = torch.tensor([chat(tok, PROMPTS[0])])
     with torch.no_grad():

@@ -74,6 +74,10 @@ def _lib() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
+    q4 = lib.skinny_linear_q4
+    q4.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    q4.restype = None
     return lib
 
 
@@ -94,6 +98,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T + bias for a 2-D fp32 x (M, K), with `packed` = pack_weight(w)."""
     m, k = x.shape
@@ -102,7 +110,39 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"input has {k} features, the weight expects {packed.shape[1]}")
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    b = None if bias is None else bias.detach().contiguous()
-    _lib().skinny_linear(x.data_ptr(), m, k, packed.data_ptr(), n, None if b is None else b.data_ptr(),
-                         y.data_ptr(), torch.get_num_threads())
+    _lib().skinny_linear(x.data_ptr(), m, k, packed.data_ptr(), n, _ptr(bias), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+GROUP = 32  # inputs per 4-bit scale/minimum group (skinny_linear_q4)
+
+
+def fits_q4(out_features: int, in_features: int) -> bool:
+    return out_features % BLOCK == 0 and in_features % GROUP == 0
+
+
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Codes q (N, K) in 0..15 and per-group scale, minimum (N, K / 32) -> skinny_linear_q4's layout:
+    (N / 32, K, 16) bytes (column j low nibble, column 16 + j high) and (N / 32, K / 32, 32) fp32 twice."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).reshape(n // BLOCK, BLOCK, k).transpose(1, 2)  # (N/32, K, 32)
+    codes = (blocks[..., :16] | (blocks[..., 16:] << 4)).contiguous()
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        return t.float().reshape(n // BLOCK, BLOCK, k // GROUP).transpose(1, 2).contiguous()
+
+    return codes, per_block(scale), per_block(minimum)
+
+
+def linear_q4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T + bias for a 2-D fp32 x (M, K) and w = q * scale + minimum packed by `pack_q4`."""
+    m, k = x.shape
+    n = codes.shape[0] * BLOCK
+    if codes.shape[1] != k:
+        raise ValueError(f"input has {k} features, the weight expects {codes.shape[1]}")
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    _lib().skinny_linear_q4(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n,
+                            _ptr(bias), y.data_ptr(), torch.get_num_threads())
     return y

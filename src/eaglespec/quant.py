@@ -51,9 +51,12 @@ class Int4Linear(nn.Module):
 
     w = q * scale + min, q in 0..15, groups of `group_size` input channels: the same affine form as
     the GGUF Q4_1 blocks our models ship in, so a Q4_1 weight round-trips almost exactly.
-    torch's CPU kernel wants bf16 activations (fp32 ones take a 10x slower path); the output is
-    cast back. Each output row depends on its own input row only (checked in the tests), so
-    verifying many tokens gives the same numbers as decoding them one by one.
+    With AVX-512 the codes go to eaglespec's kernel (`kernels.linear_q4`: fp32 activations, the
+    weight dequantized in registers as q * scale + min in fp32, streamed once for a whole draft
+    tree). Elsewhere torch's CPU kernel serves; it wants bf16 activations (fp32 ones take a 10x
+    slower path), and the output is cast back. Either way each output row depends on its own
+    input row only (checked in the tests), so verifying many tokens gives the same numbers as
+    decoding them one by one.
     """
 
     def __init__(self, linear: nn.Linear, group_size: int = 32, keep_weight: bool = True):
@@ -67,27 +70,44 @@ class Int4Linear(nn.Module):
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15).clamp_min(1e-8)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        from . import kernels
+
+        self.skinny = kernels.available() and kernels.fits_q4(n, k) and group_size == kernels.GROUP
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self._q = q.to(torch.uint8) if keep_weight else None
+        if self.skinny:
+            codes, sp, mp = kernels.pack_q4(q, scale, lo)
+            self.register_buffer("codes", codes)
+            self.register_buffer("scale", sp)
+            self.register_buffer("minimum", mp)
+            return
         self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # the kernel dequantizes (q - 8) * scale + zero, so zero = min + 8 * scale; layout (K/g, N, 2)
         self.register_buffer("scales_and_zeros",
                              torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
-        # unpacked codes, only for `weight` (an LM head sliced by a reduced draft vocabulary): 1 byte
-        # per weight, twice the packed size, so layers nobody reads leave them out
-        self._q = q.to(torch.uint8) if keep_weight else None
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight, exactly what the kernel multiplies by (up to bf16 rounding)."""
         if self._q is None:
             raise RuntimeError("this Int4Linear was built with keep_weight=False")
-        sz = self.scales_and_zeros.float().transpose(0, 1)  # (N, K/g, 2)
         q = self._q.view(self.out_features, -1, self.group_size).float()
-        w = (q - 8) * sz[..., :1] + sz[..., 1:]
+        if self.skinny:  # (N/32, K/g, 32) -> (N, K/g, 1)
+            s, m = (t.transpose(1, 2).reshape(self.out_features, -1, 1) for t in (self.scale, self.minimum))
+            w = torch.addcmul(m, q, s)  # q * s + m, one rounding, as the kernel's fused multiply-add
+        else:
+            sz = self.scales_and_zeros.float().transpose(0, 1)  # (N, K/g, 2)
+            w = (q - 8) * sz[..., :1] + sz[..., 1:]
         return w.view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.skinny:
+            from . import kernels
+
+            y = kernels.linear_q4(x.reshape(-1, shape[-1]).float(), self.codes, self.scale, self.minimum,
+                                  None if self.bias is None else self.bias.float())
+            return y.to(x.dtype).view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group_size, self.scales_and_zeros)
         y = y.to(x.dtype)
@@ -172,10 +192,13 @@ def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True) -> n
     if lm_head and isinstance(model.get_output_embeddings(), nn.Linear):
         model.set_output_embeddings(make(model.get_output_embeddings()))
         model.config.tie_word_embeddings = False  # stop transformers re-tying it to the embedding
-    if bits == 4:  # bf16 activations: attention must be row-exact for EAGLE to equal vanilla (see attention.py)
+    bf16 = bits == 4 and not all(m.skinny for m in model.modules() if isinstance(m, Int4Linear))
+    if bf16:  # torch's int4 kernel: bf16 activations need row-exact attention for EAGLE to equal vanilla
         from .attention import register
 
         model.set_attn_implementation(register())
+    elif bits == 4:
+        model.config.eaglespec_packed_kernel = "skinny"  # also keys the cost curve apart from torch's kernel
     model.config.eaglespec_quantization = f"int{bits}"
     return model
 
