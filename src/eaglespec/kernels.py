@@ -1,9 +1,11 @@
-"""A CPU fp32 linear kernel for few rows (`skinny.c`), built on first use with the system's C compiler.
+"""CPU linear kernels for few rows (`skinny.c`), built on first use with the system's C compiler.
 
 Speculative decoding sends 2-30 tokens through every linear layer where vanilla sends one. On
-this project's 2-core Xeon torch's default kernel costs 1.6x a one-token step at 4 rows and 2x at
-8 (BENCHMARKS.md section 1), which caps the tree the cost model can afford. `skinny.c` streams
-each weight once whatever the row count (up to ~16 rows) and is no slower for one row.
+this project's 2-core Xeon torch's default fp32 kernel costs 1.6x a one-token step at 4 rows and
+2x at 8, and its int4 kernel 2x at 8 (BENCHMARKS.md section 1), which caps the tree the cost model
+can afford. `skinny.c` streams each weight once whatever the row count (up to ~16 rows) and is no
+slower for one row: `linear` for fp32 weights (`quant.PackedLinear`), `linear_q4` for 4-bit ones
+(`quant.Int4Linear`).
 
 The shared library is compiled once per machine into ``$EAGLESPEC_CACHE/kernels`` (about half a
 second with gcc), named by a hash of the source and flags, written atomically. Where it cannot be
