@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import kernels
 from .errors import EaglespecError
 
 
@@ -70,8 +71,6 @@ class Int4Linear(nn.Module):
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15).clamp_min(1e-8)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
-        from . import kernels
-
         self.skinny = kernels.available() and kernels.fits_q4(n, k) and group_size == kernels.GROUP
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self._q = q.to(torch.uint8) if keep_weight else None
@@ -80,6 +79,9 @@ class Int4Linear(nn.Module):
             self.register_buffer("codes", codes)
             self.register_buffer("scale", sp)
             self.register_buffer("minimum", mp)
+            # the kernel's operands as plain references: a decode step makes ~120 of these calls,
+            # and module attribute lookups were a measurable share of one
+            self._operands = (codes, sp, mp, None if self.bias is None else self.bias.detach().float())
             return
         self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # the kernel dequantizes (q - 8) * scale + zero, so zero = min + 8 * scale; layout (K/g, N, 2)
@@ -103,11 +105,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.skinny:
-            from . import kernels
-
-            y = kernels.linear_q4(x.reshape(-1, shape[-1]).float(), self.codes, self.scale, self.minimum,
-                                  None if self.bias is None else self.bias.float())
-            return y.to(x.dtype).view(*shape[:-1], self.out_features)
+            x2 = x.reshape(-1, shape[-1])
+            y = kernels.linear_q4(x2 if x2.dtype == torch.float32 else x2.float(), *self._operands)
+            return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group_size, self.scales_and_zeros)
         y = y.to(x.dtype)
@@ -204,8 +204,6 @@ def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True) -> n
 
 
 def packed_linear_available() -> bool:
-    from . import kernels
-
     return kernels.available() or (torch.backends.mkldnn.is_available()
                                     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
@@ -223,8 +221,6 @@ class PackedLinear(nn.Module):
     SKINNY_ROWS = 64
 
     def __init__(self, linear: nn.Linear):
-        from . import kernels
-
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # kept (shared): a tied embedding and the draft head read it
@@ -242,8 +238,6 @@ class PackedLinear(nn.Module):
         if not self.skinny:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
         elif x2.shape[0] <= self.SKINNY_ROWS and x2.dtype == torch.float32 and not x2.requires_grad:
-            from . import kernels
-
             y = kernels.linear(x2, self.packed, bias)
         else:
             y = nn.functional.linear(x2, self.weight.detach(), bias)
