@@ -71,6 +71,24 @@ def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 
 
+def test_a_kernel_that_cannot_be_built_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch):
+    from eaglespec import kernels
+
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setattr(kernels, "_cpu_ok", lambda: True)
+    kernels._lib.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="unavailable"):
+            assert not kernels.available()
+        lin = torch.nn.Linear(64, 96)
+        from eaglespec.quant import Int4Linear, PackedLinear
+
+        assert not PackedLinear(lin).skinny and not Int4Linear(lin).skinny  # torch's / oneDNN's kernels serve
+    finally:
+        kernels._lib.cache_clear()  # later tests see this machine's real answer
+
+
 @needs_skinny
 def test_packed_linear_picks_skinny_for_few_rows_and_torch_for_a_prefill(monkeypatch):
     from eaglespec import kernels

@@ -70,7 +70,7 @@ def _lib() -> ctypes.CDLL | None:
 
         lib = ctypes.CDLL(str(_build(cache_root() / "kernels")))
     except (OSError, RuntimeError) as e:
-        warnings.warn(f"eaglespec: the skinny fp32 kernel is unavailable ({e}); using torch's kernels")
+        warnings.warn(f"eaglespec: its AVX-512 kernels are unavailable ({e}); using torch's kernels")
         return None
     fn = lib.skinny_linear
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
@@ -84,7 +84,7 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the skinny kernel runs here (x86-64 with AVX-512F and a C compiler)."""
+    """Whether the skinny kernels run here (x86-64 with AVX-512F and a C compiler)."""
     return _lib() is not None
 
 
