@@ -100,20 +100,22 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _run(fn: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tuple[torch.Tensor, ...],
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """Both kernels take (x, M, K, *weights, N, bias, y, threads)."""
+    m, kx = x.shape
+    if kx != k:
+        raise ValueError(f"input has {kx} features, the weight expects {k}")
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    fn(x.data_ptr(), m, k, *(w.data_ptr() for w in weights), n, None if bias is None else bias.data_ptr(),
+       y.data_ptr(), torch.get_num_threads())
+    return y
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T + bias for a 2-D fp32 x (M, K), with `packed` = pack_weight(w)."""
-    m, k = x.shape
-    n = packed.shape[0] * BLOCK
-    if packed.shape[1] != k:
-        raise ValueError(f"input has {k} features, the weight expects {packed.shape[1]}")
-    x = x.contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    _lib().skinny_linear(x.data_ptr(), m, k, packed.data_ptr(), n, _ptr(bias), y.data_ptr(), torch.get_num_threads())
-    return y
+    return _run(_lib().skinny_linear, x, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
 
 
 GROUP = 32  # inputs per 4-bit scale/minimum group (skinny_linear_q4)
@@ -139,12 +141,4 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tupl
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T + bias for a 2-D fp32 x (M, K) and w = q * scale + minimum packed by `pack_q4`."""
-    m, k = x.shape
-    n = codes.shape[0] * BLOCK
-    if codes.shape[1] != k:
-        raise ValueError(f"input has {k} features, the weight expects {codes.shape[1]}")
-    x = x.contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    _lib().skinny_linear_q4(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n,
-                            _ptr(bias), y.data_ptr(), torch.get_num_threads())
-    return y
+    return _run(_lib().skinny_linear_q4, x, codes.shape[1], codes.shape[0] * BLOCK, (codes, scale, minimum), bias)
