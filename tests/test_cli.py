@@ -64,7 +64,7 @@ def test_generate_streams_text(tiny_dirs, gen):
     (["--prompt", " ".join(["w3"] * 600)], "context"),
     (["--prompt", "w3", "--tree", "bushy"], "unknown tree"),
     (["--prompt", "w3", "--tree", "dynamic:9,9"], "DEPTH"),
-    (["--prompt", "w3", "--compile", "--packed"], "plain fp32"),
+    (["--prompt", "w3", "--compile", "--quantize", "int8"], "plain fp32"),
 ])
 def test_bad_input(tiny_dirs, gen, extra, msg):
     rc, out, err = gen(tiny_dirs, *extra)

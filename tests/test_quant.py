@@ -339,3 +339,43 @@ def test_load_target_packs_by_default_exactly_where_the_skinny_kernel_runs(tiny_
     assert not packed(quantize="int8")  # a quantized target has its own kernels
     monkeypatch.setattr(kernels, "available", lambda: False)
     assert not packed()  # oneDNN's packing is slower for one token on some CPUs: only when asked
+
+
+@needs_skinny
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_dirs, quantize):
+    """`--compile` with eaglespec's kernels (custom ops to inductor): EAGLE equals that model's own
+    vanilla, and the kernels really ran inside the compiled graphs."""
+    import torch._dynamo
+
+    from eaglespec import kernels
+    from eaglespec.models import compile_decoder, load_target
+    from eaglespec.quant import Int4Linear, PackedLinear
+
+    torch._dynamo.reset()
+    try:
+        if quantize == "int4":  # the head binds the fp32 embedding / LM head, before quantizing
+            model, _ = load_target(str(tiny_dirs / "model"), packed=False)
+            head = good_head(model)
+            quantize_weights(model, 4, fuse=False)  # what load_target(quantize="int4", compile=True) does
+            compile_decoder(model)
+        else:
+            model, _ = load_target(str(tiny_dirs / "model"), compile=True)
+            head = good_head(model)
+        kind = Int4Linear if quantize == "int4" else PackedLinear
+        assert all(m.skinny for m in model.modules() if isinstance(m, kind)) and any(
+            isinstance(m, kind) for m in model.model.layers.modules())
+        before = torch._dynamo.utils.counters["frames"]["ok"]
+        calls = []
+        real = kernels._run
+        kernels._run = lambda *a: calls.append(1) or real(*a)
+        try:
+            vanilla = Engine(model, None).generate(PROMPTS[0], 16, method="vanilla").token_ids
+        finally:
+            kernels._run = real
+        assert torch._dynamo.utils.counters["frames"]["ok"] > before  # compiled graphs ran
+        assert calls  # and they call the custom ops, which run the kernels
+        for tree in ("paper", "chain:2"):
+            assert Engine(model, head, tree=tree).generate(PROMPTS[0], 16).token_ids == vanilla, tree
+    finally:
+        torch._dynamo.reset()

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import warnings
 from functools import lru_cache
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -115,6 +116,8 @@ def _run(fn: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tuple[t
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T + bias for a 2-D fp32 x (M, K), with `packed` = pack_weight(w)."""
+    if torch.compiler.is_compiling():  # an opaque op for inductor, which fuses the small ops around it
+        return torch.ops.eaglespec.skinny_linear(x, packed, bias)
     return _run(_lib().skinny_linear, x, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
 
 
@@ -141,4 +144,29 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tupl
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T + bias for a 2-D fp32 x (M, K) and w = q * scale + minimum packed by `pack_q4`."""
+    if torch.compiler.is_compiling():
+        return torch.ops.eaglespec.skinny_linear_q4(x, codes, scale, minimum, bias)
     return _run(_lib().skinny_linear_q4, x, codes.shape[1], codes.shape[0] * BLOCK, (codes, scale, minimum), bias)
+
+
+# The same kernels as torch custom ops, for `torch.compile` (models.compile_decoder): eager calls
+# go straight to ctypes above, since a custom op's dispatch costs more than the call itself.
+@torch.library.custom_op("eaglespec::skinny_linear", mutates_args=())
+def _skinny_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run(_lib().skinny_linear, x, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
+
+
+@_skinny_linear_op.register_fake
+def _(x, packed, bias):
+    return x.new_empty(x.shape[0], packed.shape[0] * BLOCK)
+
+
+@torch.library.custom_op("eaglespec::skinny_linear_q4", mutates_args=())
+def _skinny_linear_q4_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                         bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run(_lib().skinny_linear_q4, x, codes.shape[1], codes.shape[0] * BLOCK, (codes, scale, minimum), bias)
+
+
+@_skinny_linear_q4_op.register_fake
+def _(x, codes, scale, minimum, bias):
+    return x.new_empty(x.shape[0], codes.shape[0] * BLOCK)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from . import kernels
 from .errors import EaglespecError, ModelNotFoundError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -159,13 +160,12 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         exact = register()
         attn_implementation = exact if attn_implementation == "exact" else GQA_NAME
     if packed is None:
-        from . import kernels
-
-        packed = device == "cpu" and quantize in (None, "none") and not compile and dtype == torch.float32 \
-            and kernels.available()
-    if compile and (packed or quantize in ("int8", "int4")):
-        # inductor cannot lower oneDNN pre-packed or int4-packed weights
-        raise EaglespecError("compile works on the plain fp32 target: drop --packed / --quantize")
+        packed = device == "cpu" and quantize in (None, "none") and dtype == torch.float32 and kernels.available()
+    if compile and (quantize == "int8" or ((packed or quantize == "int4") and not kernels.available())):
+        # inductor cannot lower oneDNN pre-packed or torch's int4-packed weights; eaglespec's own
+        # kernels are custom ops it calls as they are
+        raise EaglespecError("compile works on the plain fp32 target, or with eaglespec's AVX-512 kernels "
+                             "(--packed / --quantize int4) where they run: drop --packed / --quantize")
     src = resolve(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
@@ -178,7 +178,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
 
         if quantize == "int4" and (device != "cpu" or not int4_available()):
             raise EaglespecError("quantize='int4' needs torch's CPU int4 kernel (device cpu)")
-        quantize_weights(model, int(quantize[3:]))
+        quantize_weights(model, int(quantize[3:]), fuse=not compile)
     elif packed and device == "cpu":
         from .quant import pack_target
 

@@ -177,16 +177,18 @@ def int4_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True) -> nn.Module:
+def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True, fuse: bool = True) -> nn.Module:
     """Replace the decoder's linear layers (and the LM head) by `Int8Linear` or `Int4Linear`, in place.
 
     The input embedding stays as it is (a lookup reads one row, not the whole matrix), so a tied
-    LM head gets its own quantized copy.
+    LM head gets its own quantized copy. ``fuse``: q/k/v and gate/up as one int4 matmul each (eager
+    decoding; a model for `torch.compile` keeps them apart, since the fused parts share a cache
+    by tensor identity that the compiler need not see).
     """
     make = {8: Int8Linear, 4: Int4Linear}[bits]
     inner = partial(Int4Linear, keep_weight=False) if bits == 4 else make  # nothing reads decoder weights
     decoder = model.get_decoder()
-    if bits == 4:
+    if bits == 4 and fuse:
         fuse_projections(decoder, inner)
     replace_linears(decoder, inner, lambda lin: isinstance(lin, nn.Linear))
     if lm_head and isinstance(model.get_output_embeddings(), nn.Linear):
