@@ -25,8 +25,9 @@ PACK_HELP = ("fp32 weights pre-packed (CPU) for eaglespec's AVX-512 kernel, or o
              "same model, streamed once per forward however many tokens a tree sends; every method uses it. "
              "Default: on where the AVX-512 kernel runs (2-core Xeon: one token 36 -> 31 ms, 8 tokens 66 -> 43 ms); "
              "`eaglespec profile --packed` measures yours")
-COMPILE_HELP = ("torch.compile the plain fp32 target's decoder (every method uses it; minutes of compilation "
-                "per process). Slower than --packed on a 2-core CPU (BENCHMARKS.md section 7); may pay elsewhere")
+COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 minutes of compilation per "
+                "process on 2 cores). With eaglespec's AVX-512 kernels (--packed, --quantize int4) inductor fuses "
+                "the small ops around them: the fastest configuration measured (BENCHMARKS.md section 7)")
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
               "model; int4 is the fast one on CPU)")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
