@@ -73,3 +73,18 @@ def test_a_mid_run_cost_remeasure_is_left_out_of_the_time_and_said():
     md = report_markdown({"config": cfg, "machine": mach, "summary": rows, "skipped": {}})
     assert "`eagle@auto` (d, T=0.0): the cost curve was measured again mid-run" in md and "2.5 s left out" in md
     assert "`vanilla` (d" not in md
+
+
+def test_report_names_the_kernels_the_target_ran_on():
+    from eaglespec.bench.harness import report_markdown
+
+    mach = dict(cpu="c", threads=1, torch="t", transformers="x", date="now")
+    base = dict(model="m", head=None, tree="auto", chain="chain:5", max_new_tokens=8, limit=1)
+    cases = [(dict(packed=True, packed_kernel="skinny"), "fp32 (skinny pre-packed)"),
+             (dict(packed=True, packed_kernel="oneDNN"), "fp32 (oneDNN pre-packed)"),
+             (dict(packed=False), "target weights: fp32\n"),
+             (dict(quantize="int4", packed_kernel="skinny", compile=True), "int4 (eaglespec's 4-bit kernel), torch.compile"),
+             (dict(quantize="int4", packed_kernel=""), "int4 (torch's int4 kernel)")]
+    for extra, label in cases:
+        md = report_markdown({"config": {**base, **extra}, "machine": mach, "summary": [], "skipped": {}})
+        assert label in md, (extra, md.splitlines()[2])

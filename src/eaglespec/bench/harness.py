@@ -90,7 +90,7 @@ class BenchConfig:
     quantize: str = "none"  # "int8" / "int4": every method runs the same weight-only quantized target
     packed: bool | None = None  # every method runs the same target with pre-packed fp32 weights; None: auto
     compile: bool = False  # every method runs the same torch.compile'd target
-    packed_kernel: str = ""  # set by run_bench: "skinny" (AVX-512) or "oneDNN"
+    packed_kernel: str = ""  # set by run_bench: "skinny" (eaglespec's AVX-512 kernels) or "oneDNN"
     batch_sizes: tuple[int, ...] = (1,)  # > 1: also the batch throughput table (vanilla vs eagle)
     extra: dict = field(default_factory=dict)
 
@@ -210,7 +210,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     model, tok = load_target(cfg.model, quantize=cfg.quantize, packed=cfg.packed, compile=cfg.compile)
     cfg.packed = getattr(model.config, "eaglespec_kernels", None) == "packed"  # what `None` (auto) chose
-    cfg.packed_kernel = getattr(model.config, "eaglespec_packed_kernel", "") if cfg.packed else ""
+    cfg.packed_kernel = getattr(model.config, "eaglespec_packed_kernel", "")  # fp32 packed or int4: which kernel
     head = EagleDraftHead.from_pretrained(cfg.head, model) if cfg.head else None
     runner = Runner(model, tok, head, cfg)
     out = Path(cfg.out)
@@ -386,6 +386,8 @@ def _f(x, nd=2, pct=False, unit=""):
 def report_markdown(result: dict) -> str:
     cfg, mach = result["config"], result["machine"]
     packed = f" ({cfg.get('packed_kernel') or 'oneDNN'} pre-packed)" if cfg.get("packed") else ""
+    if cfg.get("quantize") == "int4":
+        packed = " (eaglespec's 4-bit kernel)" if cfg.get("packed_kernel") == "skinny" else " (torch's int4 kernel)"
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
