@@ -108,15 +108,22 @@ def test_packed_linear_picks_skinny_for_few_rows_and_torch_for_a_prefill(monkeyp
     assert not PackedLinear(torch.nn.Linear(64, 100)).skinny  # 100 outputs: oneDNN's packing instead
 
 
-@pytest.mark.parametrize("kernel", ["skinny", "onednn"])
-def test_packed_target_eagle_equals_its_own_vanilla(kernel, monkeypatch):
+def use_kernel(kernel: str, monkeypatch) -> None:
+    """"skinny": eaglespec's kernels (skip where they do not run); anything else ("onednn" for
+    fp32, "torch" for int4): the fallback they leave to where they are unavailable."""
     from eaglespec import kernels
-    from eaglespec.quant import PackedLinear, pack_target, packed_linear_available
 
-    if kernel == "onednn":
+    if kernel != "skinny":
         monkeypatch.setattr(kernels, "available", lambda: False)
     elif not kernels.available():
         pytest.skip("the skinny kernel is not available here")
+
+
+@pytest.mark.parametrize("kernel", ["skinny", "onednn"])
+def test_packed_target_eagle_equals_its_own_vanilla(kernel, monkeypatch):
+    from eaglespec.quant import PackedLinear, pack_target, packed_linear_available
+
+    use_kernel(kernel, monkeypatch)
     if not packed_linear_available():
         pytest.skip("oneDNN not available")
     model = tiny_target("qwen2", seed=4)
@@ -143,22 +150,12 @@ needs_int4 = __import__("pytest").mark.skipif(not __import__("eaglespec.quant", 
                                               reason="torch has no CPU int4 kernel")
 
 
-def int4_kernel(kernel: str, monkeypatch) -> None:
-    """Choose the int4 kernel: "skinny" (eaglespec's, fp32 activations) or "torch" (bf16 activations)."""
-    from eaglespec import kernels
-
-    if kernel == "torch":
-        monkeypatch.setattr(kernels, "available", lambda: False)
-    elif not kernels.available():
-        pytest.skip("the skinny kernel is not available here")
-
-
 @needs_int4
 @pytest.mark.parametrize("kernel", ["skinny", "torch"])
 def test_int4_linear_is_its_dequantized_weight_and_row_independent(kernel, monkeypatch):
     from eaglespec.quant import Int4Linear
 
-    int4_kernel(kernel, monkeypatch)
+    use_kernel(kernel, monkeypatch)
     lin = torch.nn.Linear(64, 96)
     q = Int4Linear(lin)
     assert q.skinny == (kernel == "skinny")
@@ -242,7 +239,7 @@ def test_int4_tree_rows_equal_one_by_one_decoding_bitwise(family, kernel, monkey
     from eaglespec.cache import KVCache
     from eaglespec.tree import float_mask, prefix_tree_mask
 
-    int4_kernel(kernel, monkeypatch)
+    use_kernel(kernel, monkeypatch)
     model = tiny_target(family, seed=5)
     quantize_weights(model, 4)
     assert (model.config._attn_implementation == "eaglespec_exact") == (kernel == "torch")
@@ -272,7 +269,7 @@ def test_int4_tree_rows_equal_one_by_one_decoding_bitwise(family, kernel, monkey
 @pytest.mark.parametrize("tree,kernel", [("paper", "skinny"), ("chain:3", "skinny"), ("dynamic:4,3,10", "skinny"),
                                          ("paper", "torch")])
 def test_int4_target_eagle_equals_its_own_vanilla(tree, kernel, monkeypatch):
-    int4_kernel(kernel, monkeypatch)
+    use_kernel(kernel, monkeypatch)
     model = tiny_target("llama", seed=6)
     head = good_head(model)
     quantize_weights(model, 4)

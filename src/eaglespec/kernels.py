@@ -153,7 +153,7 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum
 # go straight to ctypes above, since a custom op's dispatch costs more than the call itself.
 @torch.library.custom_op("eaglespec::skinny_linear", mutates_args=())
 def _skinny_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return _run(_lib().skinny_linear, x, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
+    return linear(x, packed, bias)  # runs eagerly: the ctypes path
 
 
 @_skinny_linear_op.register_fake
@@ -164,7 +164,7 @@ def _(x, packed, bias):
 @torch.library.custom_op("eaglespec::skinny_linear_q4", mutates_args=())
 def _skinny_linear_q4_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                          bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return _run(_lib().skinny_linear_q4, x, codes.shape[1], codes.shape[0] * BLOCK, (codes, scale, minimum), bias)
+    return linear_q4(x, codes, scale, minimum, bias)
 
 
 @_skinny_linear_q4_op.register_fake
