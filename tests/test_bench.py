@@ -81,7 +81,9 @@ def test_report_names_the_kernels_the_target_ran_on():
     mach = dict(cpu="c", threads=1, torch="t", transformers="x", date="now")
     base = dict(model="m", head=None, tree="auto", chain="chain:5", max_new_tokens=8, limit=1)
     cases = [(dict(packed=True, packed_kernel="skinny"), "fp32 (skinny pre-packed)"),
+             (dict(packed=True, packed_kernel="skinny-avx2"), "fp32 (skinny-avx2 pre-packed)"),
              (dict(packed=True, packed_kernel="oneDNN"), "fp32 (oneDNN pre-packed)"),
+             (dict(quantize="int4", packed_kernel="skinny-avx2"), "int4 (eaglespec's 4-bit kernel, AVX2)"),
              (dict(packed=False), "target weights: fp32\n"),
              (dict(quantize="int4", packed_kernel="skinny", compile=True), "int4 (eaglespec's 4-bit kernel), torch.compile"),
              (dict(quantize="int4", packed_kernel=""), "int4 (torch's int4 kernel)")]

@@ -99,8 +99,8 @@ def machine_info(engine: "Engine") -> dict:
             "kernels": getattr(cfg, "eaglespec_kernels", None),
             "processor": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "head_vocab": engine.head.draft_vocab_size if engine.head is not None else 0}
-    if getattr(cfg, "eaglespec_packed_kernel", None) == "skinny":  # only when set: oneDNN profiles keep their key
-        info["packed_kernel"] = "skinny"
+    if (getattr(cfg, "eaglespec_packed_kernel", None) or "").startswith("skinny"):  # only then: oneDNN profiles keep their key
+        info["packed_kernel"] = cfg.eaglespec_packed_kernel
     if getattr(cfg, "eaglespec_compiled", False):  # only when set, so eager profiles keep their cache key
         info["compiled"] = True
     if engine.head is not None and engine.head.num_layers > 1:  # a deeper head drafts slower (same rule)

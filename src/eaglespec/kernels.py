@@ -9,7 +9,7 @@ slower for one row: `linear` for fp32 weights (`quant.PackedLinear`), `linear_q4
 
 The shared library is compiled once per machine into ``$EAGLESPEC_CACHE/kernels`` (about half a
 second with gcc), named by a hash of the source and flags, written atomically. Where it cannot be
-built or run (no AVX-512, no compiler, ``EAGLESPEC_SKINNY=0``) `available()` is False and callers
+built or run (neither AVX-512 nor AVX2, no compiler, ``EAGLESPEC_SKINNY=0``) `available()` is False and callers
 use torch's kernels.
 """
 
@@ -29,19 +29,28 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("skinny.c")
-FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+ISA_FLAGS = {"avx512": "-mavx512f", "avx2": "-mavx2"}  # skinny.c picks its vector width from these
 BLOCK = 32  # output columns per weight block (NR in skinny.c)
 
 
-def _cpu_ok() -> bool:
+def isa() -> str | None:
+    """The instruction set the kernels are built for here: "avx512", "avx2" (with FMA), or None.
+    ``EAGLESPEC_SKINNY=avx2`` builds the AVX2 kernels on an AVX-512 CPU (to compare or test them)."""
     from .costmodel import cpu_has
 
-    return cpu_has("avx512f")
+    want = os.environ.get("EAGLESPEC_SKINNY", "1")
+    if want == "0":
+        return None
+    if cpu_has("avx512f") and want != "avx2":
+        return "avx512"
+    return "avx2" if cpu_has("avx2") and cpu_has("fma") else None
 
 
-def _build(out_dir: Path) -> Path:
+def _build(out_dir: Path, isa: str) -> Path:
     src = SOURCE.read_bytes()
-    digest = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = [*FLAGS, ISA_FLAGS[isa]]
+    digest = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     lib = out_dir / f"skinny-{digest}.so"
     if lib.exists():
         return lib
@@ -52,7 +61,7 @@ def _build(out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
         os.replace(tmp, lib)  # atomic: a concurrent process sees the old state or the whole library
@@ -64,14 +73,15 @@ def _build(out_dir: Path) -> Path:
 
 @lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("EAGLESPEC_SKINNY", "1") == "0" or not _cpu_ok():
+    target = isa()
+    if target is None:
         return None
     try:
         from .models import cache_root
 
-        lib = ctypes.CDLL(str(_build(cache_root() / "kernels")))
+        lib = ctypes.CDLL(str(_build(cache_root() / "kernels", target)))
     except (OSError, RuntimeError) as e:
-        warnings.warn(f"eaglespec: its AVX-512 kernels are unavailable ({e}); using torch's kernels")
+        warnings.warn(f"eaglespec: its {target} kernels are unavailable ({e}); using torch's kernels")
         return None
     fn = lib.skinny_linear
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
@@ -84,8 +94,13 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
+def name() -> str:
+    """How reports and cost curves name these kernels: "skinny" (AVX-512) or "skinny-avx2"."""
+    return "skinny" if isa() == "avx512" else f"skinny-{isa()}"
+
+
 def available() -> bool:
-    """Whether the skinny kernels run here (x86-64 with AVX-512F and a C compiler)."""
+    """Whether the skinny kernels run here (x86-64 with AVX-512F, or AVX2 and FMA, and a C compiler)."""
     return _lib() is not None
 
 

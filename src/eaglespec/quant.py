@@ -200,7 +200,7 @@ def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True, fuse
 
         model.set_attn_implementation(register())
     elif bits == 4:
-        model.config.eaglespec_packed_kernel = "skinny"  # also keys the cost curve apart from torch's kernel
+        model.config.eaglespec_packed_kernel = kernels.name()  # also keys the cost curve apart from torch's kernel
     model.config.eaglespec_quantization = f"int{bits}"
     return model
 
@@ -272,5 +272,5 @@ def pack_target(model: nn.Module) -> nn.Module:
         model.set_output_embeddings(PackedLinear(head))
     model.config.eaglespec_kernels = "packed"
     skinny = any(getattr(m, "skinny", False) for m in model.modules())
-    model.config.eaglespec_packed_kernel = "skinny" if skinny else "oneDNN"
+    model.config.eaglespec_packed_kernel = kernels.name() if skinny else "oneDNN"
     return model

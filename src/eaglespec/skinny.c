@@ -1,58 +1,88 @@
-/* y = x @ w.T (+ bias) for few rows of x (a decode step or a draft tree): AVX-512, OpenMP.
+/* y = x @ w.T (+ bias) for few rows of x (a decode step or a draft tree): AVX-512 or AVX2, OpenMP.
  * x and y are fp32; w is fp32 (skinny_linear) or 4-bit with a scale and a minimum per 32 inputs
  * (skinny_linear_q4, dequantized in registers).
  *
  * Decoding a small model streams every weight once per forward. BLAS kernels are tuned for big
  * matrices: on a 2-core Xeon, torch's default path costs 1.6x a one-token step at 4 rows and 2x
  * at 8. Here each block of 32 output columns is streamed from memory once, with software
- * prefetch, and reused from registers for up to 12 rows at a time, so the weights' bytes, not
- * the arithmetic, set the time until ~16 rows.
+ * prefetch, and reused from registers for several rows at a time (12 with AVX-512's 32 registers,
+ * 3 with AVX2's 16; later passes over a block read it from L2), so the weights' bytes, not the
+ * arithmetic, set the time until ~16 rows.
  *
  * Weight layout (see kernels.pack_weight): wp[n / 32][k][32], i.e. each block of 32 rows of w
- * transposed, so one k step of a block is two contiguous 16-float vectors.
+ * transposed, so one k step of a block is NV contiguous vectors. The same layout serves both
+ * instruction sets, which are chosen at build time (-mavx512f or -mavx2).
  */
 #include <immintrin.h>
 #include <omp.h>
 
-#define NR 32   /* output columns per block: two zmm registers */
-#define MR 12   /* rows of x per pass over a block: 24 accumulators of the 32 zmm registers */
+#define NR 32   /* output columns per block */
 #define PFD 64  /* prefetch distance in k steps (64 * 128 bytes ahead) */
 
-static inline void store(int mr, __m512 acc[][2], float *y, long ldy, const float *bias) {
-    for (int i = 0; i < mr; i++) {
-        __m512 a0 = acc[i][0], a1 = acc[i][1];
-        if (bias) {
-            a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias));
-            a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + 16));
-        }
-        _mm512_storeu_ps(y + i * ldy, a0);
-        _mm512_storeu_ps(y + i * ldy + 16, a1);
-    }
+#ifdef __AVX512F__
+typedef __m512 vec;
+#define VW 16   /* floats per vector */
+#define MR 12   /* rows of x per pass over a block: 24 accumulators of the 32 registers */
+#define MRQ 12
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vadd _mm512_add_ps
+#define vfma _mm512_fmadd_ps
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+/* 16 codes (bytes) -> 16 floats */
+#define CODES(b) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
+#else
+typedef __m256 vec;
+#define VW 8
+#define MR 3    /* 12 accumulators + 4 weight vectors of the 16 registers */
+#define MRQ 2   /* the 4-bit kernel also holds 8 scale and minimum vectors */
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vadd _mm256_add_ps
+#define vfma _mm256_fmadd_ps
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+/* the low 8 codes (bytes) -> 8 floats */
+#define CODES(b) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))
+#endif
+#define NV (NR / VW) /* vectors per k step of a block */
+
+static inline void store(int mr, vec acc[][NV], float *y, long ldy, const float *bias) {
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++)
+            vstore(y + i * ldy + v * VW, bias ? vadd(acc[i][v], vload(bias + v * VW)) : acc[i][v]);
 }
 
-static inline void block(int mr, const float *x, long K, const float *wp, float *y, long ldy, const float *bias) {
-    __m512 acc[MR][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-#define ROWS(R)                                                                               \
-    _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                    \
-        __m512 b = _mm512_set1_ps(x[i * K + k]);                                              \
-        acc[i][0] = _mm512_fmadd_ps(b, w0, acc[i][0]);                                        \
-        acc[i][1] = _mm512_fmadd_ps(b, w1, acc[i][1]);                                        \
+/* a constant row count per case lets the compiler keep every accumulator in a register */
+#define CAP(r, max) ((r) < (max) ? (r) : (max))
+#define CASES(STEPS, MAXR)                                                                    \
+    switch (mr) {                                                                             \
+        case 1: STEPS(CAP(1, MAXR)) break; case 2: STEPS(CAP(2, MAXR)) break; case 3: STEPS(CAP(3, MAXR)) break;\
+        case 4: STEPS(CAP(4, MAXR)) break; case 5: STEPS(CAP(5, MAXR)) break; case 6: STEPS(CAP(6, MAXR)) break;\
+        case 7: STEPS(CAP(7, MAXR)) break; case 8: STEPS(CAP(8, MAXR)) break; case 9: STEPS(CAP(9, MAXR)) break;\
+        case 10: STEPS(CAP(10, MAXR)) break; case 11: STEPS(CAP(11, MAXR)) break; default: STEPS(MAXR) break;\
     }
+
+#define ROWS(R)                                                                               \
+    _Pragma("GCC unroll 12") for (int i = 0; i < (R); i++) {                                  \
+        vec b = vset1(x[i * K + k]);                                                          \
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[i][v] = vfma(b, w[v], acc[i][v]); \
+    }
+
+static inline void block(int mr, const float *x, long K, const float *wp, float *y, long ldy, const float *bias) {
+    vec acc[MR][NV];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = vzero();
 #define STEPS(R)                                                                              \
     for (long k = 0; k < K; k++) {                                                            \
         _mm_prefetch((const char *)(wp + (k + PFD) * NR), _MM_HINT_T0);                       \
         _mm_prefetch((const char *)(wp + (k + PFD) * NR + 16), _MM_HINT_T0);                  \
-        __m512 w0 = _mm512_loadu_ps(wp + k * NR), w1 = _mm512_loadu_ps(wp + k * NR + 16);     \
+        vec w[NV];                                                                            \
+        for (int v = 0; v < NV; v++) w[v] = vload(wp + k * NR + v * VW);                      \
         ROWS(R)                                                                               \
     }
-    /* a constant row count per case lets the compiler keep every accumulator in a register */
-    switch (mr) {
-        case 1: STEPS(1) break;   case 2: STEPS(2) break;   case 3: STEPS(3) break;
-        case 4: STEPS(4) break;   case 5: STEPS(5) break;   case 6: STEPS(6) break;
-        case 7: STEPS(7) break;   case 8: STEPS(8) break;   case 9: STEPS(9) break;
-        case 10: STEPS(10) break; case 11: STEPS(11) break; default: STEPS(12) break;
-    }
+    CASES(STEPS, MR)
     store(mr, acc, y, ldy, bias);
 }
 
@@ -76,28 +106,31 @@ void skinny_linear(const float *x, long M, long K, const float *wp, long N, cons
  * time, and it is paid once per k step for all rows of a pass. */
 static inline void block_q4(int mr, const float *x, long K, const unsigned char *qp, const float *sp,
                             const float *mp, float *y, long ldy, const float *bias) {
-    __m512 acc[MR][2];
+    vec acc[MRQ][NV];
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = vzero();
 #define STEPS_Q4(R)                                                                           \
     for (long g = 0; g < K / 32; g++) {                                                       \
-        __m512 s0 = _mm512_loadu_ps(sp + g * NR), s1 = _mm512_loadu_ps(sp + g * NR + 16);     \
-        __m512 m0 = _mm512_loadu_ps(mp + g * NR), m1 = _mm512_loadu_ps(mp + g * NR + 16);     \
+        vec s[NV], m[NV];                                                                     \
+        for (int v = 0; v < NV; v++) s[v] = vload(sp + g * NR + v * VW), m[v] = vload(mp + g * NR + v * VW); \
         for (long k = g * 32; k < g * 32 + 32; k++) {                                         \
             if (!(k & 3)) _mm_prefetch((const char *)(qp + (k + 4 * PFD) * 16), _MM_HINT_T0); \
-            __m128i v = _mm_loadu_si128((const __m128i *)(qp + k * 16));                     \
-            __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low); \
-            __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s0, m0); \
-            __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s1, m1); \
+            __m128i b = _mm_loadu_si128((const __m128i *)(qp + k * 16));                     \
+            __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low); \
+            vec w[NV];                                                                        \
+            DEQUANT                                                                           \
             ROWS(R)                                                                           \
         }                                                                                     \
     }
-    switch (mr) {
-        case 1: STEPS_Q4(1) break;   case 2: STEPS_Q4(2) break;   case 3: STEPS_Q4(3) break;
-        case 4: STEPS_Q4(4) break;   case 5: STEPS_Q4(5) break;   case 6: STEPS_Q4(6) break;
-        case 7: STEPS_Q4(7) break;   case 8: STEPS_Q4(8) break;   case 9: STEPS_Q4(9) break;
-        case 10: STEPS_Q4(10) break; case 11: STEPS_Q4(11) break; default: STEPS_Q4(12) break;
-    }
+#if NV == 2 /* columns 0-15 in the low nibbles, 16-31 in the high ones */
+#define DEQUANT w[0] = vfma(CODES(lo), s[0], m[0]); w[1] = vfma(CODES(hi), s[1], m[1]);
+#else
+#define DEQUANT                                                                               \
+    w[0] = vfma(CODES(lo), s[0], m[0]); w[1] = vfma(CODES(_mm_srli_si128(lo, 8)), s[1], m[1]); \
+    w[2] = vfma(CODES(hi), s[2], m[2]); w[3] = vfma(CODES(_mm_srli_si128(hi, 8)), s[3], m[3]);
+#endif
+    CASES(STEPS_Q4, MRQ)
     store(mr, acc, y, ldy, bias);
 }
 
@@ -106,8 +139,8 @@ void skinny_linear_q4(const float *x, long M, long K, const unsigned char *qp, c
     long blocks = N / NR;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < blocks; b++) {
-        for (long m0 = 0; m0 < M; m0 += MR) {
-            int mr = (M - m0) < MR ? (int)(M - m0) : MR;
+        for (long m0 = 0; m0 < M; m0 += MRQ) {
+            int mr = (M - m0) < MRQ ? (int)(M - m0) : MRQ;
             block_q4(mr, x + m0 * K, K, qp + b * K * 16, sp + b * (K / 32) * NR, mp + b * (K / 32) * NR,
                      y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);
         }

@@ -90,7 +90,7 @@ class BenchConfig:
     quantize: str = "none"  # "int8" / "int4": every method runs the same weight-only quantized target
     packed: bool | None = None  # every method runs the same target with pre-packed fp32 weights; None: auto
     compile: bool = False  # every method runs the same torch.compile'd target
-    packed_kernel: str = ""  # set by run_bench: "skinny" (eaglespec's AVX-512 kernels) or "oneDNN"
+    packed_kernel: str = ""  # set by run_bench: "skinny" / "skinny-avx2" (eaglespec's kernels) or "oneDNN"
     batch_sizes: tuple[int, ...] = (1,)  # > 1: also the batch throughput table (vanilla vs eagle)
     extra: dict = field(default_factory=dict)
 
@@ -387,7 +387,9 @@ def report_markdown(result: dict) -> str:
     cfg, mach = result["config"], result["machine"]
     packed = f" ({cfg.get('packed_kernel') or 'oneDNN'} pre-packed)" if cfg.get("packed") else ""
     if cfg.get("quantize") == "int4":
-        packed = " (eaglespec's 4-bit kernel)" if cfg.get("packed_kernel") == "skinny" else " (torch's int4 kernel)"
+        kernel = cfg.get("packed_kernel") or ""
+        packed = (f" (eaglespec's 4-bit kernel{', AVX2' if kernel.endswith('avx2') else ''})"
+                  if kernel.startswith("skinny") else " (torch's int4 kernel)")
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
