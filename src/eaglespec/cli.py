@@ -21,12 +21,13 @@ def default_head(model: str) -> str | None:
     return str(path) if (path / "config.json").is_file() else None
 
 
-PACK_HELP = ("fp32 weights pre-packed (CPU) for eaglespec's AVX-512 kernel, or oneDNN's without AVX-512: the "
+PACK_HELP = ("fp32 weights pre-packed (CPU) for eaglespec's AVX-512 / AVX2 kernel, or oneDNN's without them: the "
              "same model, streamed once per forward however many tokens a tree sends; every method uses it. "
-             "Default: on where the AVX-512 kernel runs (2-core Xeon: one token 36 -> 31 ms, 8 tokens 66 -> 43 ms); "
+             "Default: on where eaglespec's kernel runs (2-core Xeon: one token 36 -> 31 ms, 8 tokens 66 -> 43 ms; "
+             "2-core EPYC, AVX2: 86 -> 48 ms, 139 -> 65 ms); "
              "`eaglespec profile --packed` measures yours")
 COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 minutes of compilation per "
-                "process on 2 cores). With eaglespec's AVX-512 kernels (--packed, --quantize int4) inductor fuses "
+                "process on 2 cores). With eaglespec's kernels (--packed, --quantize int4) inductor fuses "
                 "the small ops around them: the fastest configuration measured (BENCHMARKS.md section 7)")
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
               "model; int4 is the fast one on CPU)")

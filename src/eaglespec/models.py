@@ -147,8 +147,8 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
     ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``packed=True``: fp32 linear layers with
     weights pre-packed for a CPU kernel that streams them once for a whole draft tree (`eaglespec.kernels`
-    with AVX-512, else oneDNN; see `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where
-    the AVX-512 kernel runs (a plain fp32 CPU target), since it is as fast or faster at every size there;
+    with AVX-512 or AVX2, else oneDNN; see `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where
+    eaglespec's kernel runs (a plain fp32 CPU target), since it is as fast or faster at every size there;
     ``compile=True``: the decoder goes through ``torch.compile`` (see `compile_decoder`)."""
     if quantize not in (None, "none", "int8", "int4"):
         raise EaglespecError(f"quantize must be 'int8', 'int4' or none, got {quantize!r}")
@@ -164,7 +164,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     if compile and (quantize == "int8" or ((packed or quantize == "int4") and not kernels.available())):
         # inductor cannot lower oneDNN pre-packed or torch's int4-packed weights; eaglespec's own
         # kernels are custom ops it calls as they are
-        raise EaglespecError("compile works on the plain fp32 target, or with eaglespec's AVX-512 kernels "
+        raise EaglespecError("compile works on the plain fp32 target, or with eaglespec's kernels "
                              "(--packed / --quantize int4) where they run: drop --packed / --quantize")
     src = resolve(name_or_path)
     try:

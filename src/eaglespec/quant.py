@@ -52,7 +52,7 @@ class Int4Linear(nn.Module):
 
     w = q * scale + min, q in 0..15, groups of `group_size` input channels: the same affine form as
     the GGUF Q4_1 blocks our models ship in, so a Q4_1 weight round-trips almost exactly.
-    With AVX-512 the codes go to eaglespec's kernel (`kernels.linear_q4`: fp32 activations, the
+    With AVX-512 or AVX2 the codes go to eaglespec's kernel (`kernels.linear_q4`: fp32 activations, the
     weight dequantized in registers as q * scale + min in fp32, streamed once for a whole draft
     tree). Elsewhere torch's CPU kernel serves; it wants bf16 activations (fp32 ones take a 10x
     slower path), and the output is cast back. Either way each output row depends on its own
@@ -214,7 +214,7 @@ class PackedLinear(nn.Module):
     """fp32 linear whose weight is reordered once for a CPU kernel that streams it once per call.
 
     torch's default CPU linear is tuned for big matrices: sending 2-26 tokens through it (a draft
-    tree) costs 1.5-2x a one-token step. With AVX-512 the weight is laid out for `kernels`
+    tree) costs 1.5-2x a one-token step. With AVX-512 or AVX2 the weight is laid out for `kernels`
     (`skinny.c`), used up to `SKINNY_ROWS` rows (a prefill goes to torch's GEMM); elsewhere it is
     pre-packed for oneDNN (measured on 2 EPYC cores: SmolLM2's LM head, 1 token 14.7 -> 7.8 ms,
     26 tokens 46 -> 17 ms).
