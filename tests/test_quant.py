@@ -39,9 +39,25 @@ needs_skinny = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=[
                                   reason="the skinny kernel needs AVX-512F or AVX2 + FMA, and a C compiler")
 
 
-@needs_skinny
+@pytest.fixture(params=["avx512", "avx2"])
+def kernel_isa(request, monkeypatch):
+    """Each build of skinny.c this CPU runs (an AVX-512 CPU runs the AVX2 one too)."""
+    from eaglespec import kernels
+    from eaglespec.costmodel import cpu_has
+
+    if not (cpu_has("avx512f") if request.param == "avx512" else cpu_has("avx2") and cpu_has("fma")):
+        pytest.skip(f"this CPU has no {request.param}")
+    monkeypatch.setenv("EAGLESPEC_SKINNY", "avx2" if request.param == "avx2" else "1")
+    kernels._lib.cache_clear()
+    if kernels.isa() != request.param or not kernels.available():
+        pytest.skip(f"the {request.param} kernels do not build here")
+    yield request.param
+    monkeypatch.undo()
+    kernels._lib.cache_clear()  # later tests see this machine's default kernels
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_kernel_matches_torch_linear_at_every_row_count(bias):
+def test_skinny_kernel_matches_torch_linear_at_every_row_count(bias, kernel_isa):
     from eaglespec import kernels
 
     torch.manual_seed(0)
@@ -60,6 +76,21 @@ def test_skinny_kernel_matches_torch_linear_at_every_row_count(bias):
     with pytest.raises(ValueError, match="features"):
         kernels.linear(torch.randn(2, 76), packed)
     assert not kernels.fits(torch.randn(100, 77))  # not a multiple of 32 outputs: torch's kernels serve
+
+
+def test_skinny_q4_kernel_is_its_dequantized_weight_at_every_row_count(kernel_isa):
+    from eaglespec.quant import Int4Linear
+
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(128, 96)
+    q = Int4Linear(lin)
+    assert q.skinny
+    x = torch.randn(27, 128)
+    with torch.no_grad():
+        y = q(x)
+        torch.testing.assert_close(y, x @ q.weight.T + lin.bias, atol=1e-4, rtol=1e-4)
+        for k in (1, 2, 3, 4, 13):  # across the passes over a block (12 rows or 2)
+            assert torch.equal(q(x[:k]), y[:k])
 
 
 def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
