@@ -71,6 +71,8 @@ class GenerationOutput:
     # with return_features: the target's final-norm hidden states of prompt + token_ids[:-1] (the last
     # token is never fed), fp32 on the CPU -- training data for a head without a second forward pass
     features: torch.Tensor | None = None
+    # with return_features and the engine's `sink_layers`: those layers' hidden states, (n, k, H)
+    aux: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,7 +116,7 @@ class Engine:
 
     def __init__(self, model: PreTrainedModel, head: EagleDraftHead | None = None,
                  tree: str | list[list[int]] | DynamicTree = "paper", draft_sampling: str = "sample",
-                 costs: CostProfile | None = None):
+                 costs: CostProfile | None = None, sink_layers: list[int] | None = None):
         if draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}")
         if getattr(model.config, "final_logit_softcapping", None):
@@ -134,6 +136,10 @@ class Engine:
         self.dynamic: DynamicTree | None = spec if isinstance(spec, DynamicTree) else None
         self.tree: TreeBuffers | None = None if self.dynamic else build_tree(spec)
         self.plain: TreeBuffers = build_tree("chain:0")  # root only: one token per forward
+        # headless data runs (`regenerate --aux-layers`): the layers whose hidden states return_features adds
+        self.sink_layers = list(sink_layers or [])
+        if self.head is not None and self.sink_layers and self.sink_layers != self.head.aux_layers:
+            raise EaglespecError(f"sink_layers {self.sink_layers} differ from the head's aux layers {self.head.aux_layers}")
         self.costs = costs  # the machine's cost curve, for `auto` (measured on first use if None)
         self._watch: CostWatch | None = None  # checks a cached curve against real rounds
         self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
@@ -156,7 +162,7 @@ class Engine:
     @property
     def aux_layers(self) -> list[int]:
         """EAGLE-3 fusion: the target layers whose hidden states the head also reads, after f_j."""
-        return self.head.aux_layers if self.head is not None else []
+        return self.head.aux_layers if self.head is not None else self.sink_layers
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None = None, aux: bool = False) -> torch.Tensor:
@@ -236,9 +242,13 @@ class Engine:
                 reasons[i] = reason or "length"
         outs = [GenerationOutput(t, r, st) for t, r, st in zip(tokens, reasons, stats)]
         if sink is not None:
+            H = self.hidden_size
             for o, ids, parts in zip(outs, prompts, sink):
                 # fed positions can run past the last emitted token (accepted nodes after an EOS)
-                o.features = torch.cat(parts)[: len(ids) + len(o.token_ids) - 1, : self.hidden_size].float().cpu()
+                fed = torch.cat(parts)[: len(ids) + len(o.token_ids) - 1].float().cpu()
+                o.features = fed[:, :H]
+                if fed.shape[-1] > H:
+                    o.aux = fed[:, H:].reshape(len(fed), -1, H)
         return outs
 
     def _decode(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None, method: str,
@@ -281,7 +291,8 @@ class Engine:
             causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(causal[None] & (pos[:, None, :] < torch.tensor(lens, device=self.device)[:, None, None]),
                               self.dtype)
-        feats = self._forward(x, pos, cache, mask, aux=eagle)
+        aux = eagle or (feature_sink is not None and bool(self.sink_layers))
+        feats = self._forward(x, pos, cache, mask, aux=aux)
         last = self.lm_head(torch.stack([feats[b, n - 1, : self.hidden_size] for b, n in enumerate(lens)]))
         rows = [_Row(b, n, self._choose(last[b], sp, gen), stats[b]) for b, n in enumerate(lens)]
         for r in rows:
@@ -338,7 +349,7 @@ class Engine:
                 node_tokens, node_q, cur = [[r.root] for r in rows], [[None] for _ in rows], self.plain
             tb = self._clock()
             prefix = cache.get_seq_length()
-            paths, bonuses, feats = self._verify(rows, node_tokens, node_q, cur, cache, sp, gen, eagle)
+            paths, bonuses, feats = self._verify(rows, node_tokens, node_q, cur, cache, sp, gen, aux)
             keeps = [[0] + path for path in paths]  # tree rows to keep: the root and the accepted nodes
             if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
                 cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])

@@ -81,12 +81,25 @@ def _all_features(model, seqs: list[list[int]], batch_tokens: int, bar: tqdm,
     return feats
 
 
+def check_layers(layers: list[int], model) -> None:
+    """Aux layers must exist in the target (`output_hidden_states` numbering)."""
+    depth = model.config.num_hidden_layers
+    if any(i < 0 or i > depth for i in layers):
+        raise EaglespecError(f"aux layers must lie in 0..{depth} (0 = the embeddings), got {layers}")
+
+
+def save_aux(shard: Path, aux: torch.Tensor, layers: list[int]) -> None:
+    """Write a shard's aux file: (n, k, H) hidden states of `layers`, stored fp16."""
+    atomic_save_safetensors({"aux": _fp16(aux, "aux features"), "layers": torch.tensor(layers, dtype=torch.int64)},
+                            aux_path(shard))
+
+
 def add_aux(folder: Path, model, layers: list[int], batch_tokens: int = 4096) -> int:
     """Write the aux file of every shard under `folder` (all splits) that has none; resumable shard
     by shard. Returns the tokens done now."""
-    depth = model.config.num_hidden_layers
-    if not layers or any(i < 0 or i > depth for i in layers):
-        raise EaglespecError(f"aux layers must lie in 0..{depth} (0 = the embeddings), got {layers}")
+    if not layers:
+        raise EaglespecError("no aux layers given")
+    check_layers(layers, model)
     shards = []
     for s in shard_files(folder, "*/shard_*.safetensors") + shard_files(folder):
         if not aux_path(s).exists():
@@ -106,8 +119,7 @@ def add_aux(folder: Path, model, layers: list[int], batch_tokens: int = 4096) ->
         t = read_shard(path)
         off = t["offsets"].tolist()
         seqs = [t["input_ids"][a:b].tolist() for a, b in zip(off, off[1:])]
-        aux = _fp16(torch.cat(_all_features(model, seqs, batch_tokens, bar, layers)), "aux features")
-        atomic_save_safetensors({"aux": aux, "layers": torch.tensor(layers, dtype=torch.int64)}, aux_path(path))
+        save_aux(path, torch.cat(_all_features(model, seqs, batch_tokens, bar, layers)), layers)
     bar.close()
     return sum(sizes)
 

@@ -17,6 +17,8 @@ so no extraction pass is needed: ``features_out/{train,heldout}/shard_<first id>
 `extract`'s shard format (plus the conversation ids), input ids exactly as generated. A shard is
 written before its batch's JSONL lines, so a shard naming conversations missing from the JSONL is
 from an interrupted batch: a rerun keeps only its committed conversations and redoes the rest.
+With ``aux_layers`` each shard also gets its aux file (those layers' hidden states, for a head that
+fuses them), taken from the same forwards, so a fused head's data needs no `extract --aux-only` pass.
 
 ``dtype="bfloat16"`` decodes with the target in bf16: about twice as fast on a CPU with bf16 matrix
 units (AMX), for training data that is the target's to within what training ignores (on SmolLM2:
@@ -34,12 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
 from .data import SHAREGPT_FROM, dropped_first_turns, load_conversations, split
-from .extract import DTYPES, aux_path, pack_shard, read_shard, shard_files, unpack_shard
+from .extract import DTYPES, aux_path, check_layers, pack_shard, parse_layers, read_shard, save_aux, shard_files, unpack_shard
 
 
 PROMPTS = ("split", "dropped")  # the training split's first user turns, or the records it leaves out
@@ -63,6 +66,7 @@ class RegenerateConfig:
     heldout_every: int = 64  # with features_out: conversation ids divisible by this go to heldout/
     dtype: str = "float32"  # or "bfloat16": faster decoding, near-identical data (see the module docstring)
     prompts: str = "split"  # or "dropped": opening turns of the records the conversation filter drops
+    aux_layers: str = ""  # with features_out: also these layers' hidden states (EAGLE-3 fusion), no extract pass
 
 
 def _done_ids(path: Path) -> set[int]:
@@ -82,12 +86,16 @@ def _done_ids(path: Path) -> set[int]:
     return done
 
 
-def _save_shard(folder: Path, rows: list[tuple[int, tuple]], vocab: int) -> Path:
-    """A shard is named by its first conversation id; ids live in one shard only, so names never clash."""
+def _save_shard(folder: Path, rows: list[tuple[int, tuple]], vocab: int,
+                aux: tuple[list[torch.Tensor], list[int]] | None = None) -> Path:
+    """A shard is named by its first conversation id; ids live in one shard only, so names never clash.
+    `aux`: each row's (n, k, H) hidden states of those layers, written beside it after the shard."""
     shard = pack_shard([item for _, item in rows], vocab)
     shard["conv_ids"] = torch.tensor([i for i, _ in rows], dtype=torch.int64)
     path = folder / f"shard_{rows[0][0]:06d}.safetensors"
     atomic_save_safetensors(shard, path)
+    if aux is not None:
+        save_aux(path, torch.cat(aux[0]), aux[1])
     return path
 
 
@@ -104,26 +112,34 @@ def _reconcile_shards(folder: Path, done: set[int]) -> None:
         seen.update(conv)
         if all(keep):
             continue
-        aux_path(path).unlink(missing_ok=True)  # no longer the shard's
+        aux = None
+        if aux_path(path).exists():  # cut to the kept conversations, like the shard
+            a = load_file(str(aux_path(path)))
+            off = t["offsets"].tolist()
+            aux = ([a["aux"][off[j]: off[j + 1]] for j, k in enumerate(keep) if k], a["layers"].tolist())
+            aux_path(path).unlink()  # no longer the shard's
         kept = [(c, item) for c, item, k in zip(conv, unpack_shard(t), keep) if k]
-        if kept and _save_shard(path.parent, kept, t["token_counts"].numel()) == path:
+        if kept and _save_shard(path.parent, kept, t["token_counts"].numel(), aux) == path:
             continue
+        aux_path(path).unlink(missing_ok=True)
         path.unlink()
 
 
 def _write_feature_shards(folder: Path, batch: list[tuple[int, list, list[int]]], outs: list, vocab: int,
-                          heldout_every: int) -> None:
-    """One shard per split for this batch: prompt + answer (its last token, never fed, dropped)."""
+                          heldout_every: int, layers: list[int]) -> None:
+    """One shard per split for this batch: prompt + answer (its last token, never fed, dropped),
+    and with `layers` its aux file."""
     parts: dict[str, list] = {"train": [], "heldout": []}
     for (i, _, prompt), o in zip(batch, outs):
         n = len(o.token_ids) - 1
         if n < 1:
             continue
         item = (prompt + o.token_ids[:-1], [0] * len(prompt) + [1] * n, o.features)
-        parts["heldout" if i % heldout_every == 0 else "train"].append((i, item))
+        parts["heldout" if i % heldout_every == 0 else "train"].append((i, item, o.aux))
     for name, rows in parts.items():
         if rows:
-            _save_shard(folder / name, rows, vocab)
+            aux = ([a for _, _, a in rows], layers) if layers else None
+            _save_shard(folder / name, [(i, item) for i, item, _ in rows], vocab, aux)
 
 
 @torch.inference_mode()
@@ -145,10 +161,14 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         raise EaglespecError(f"--prompts must be one of {PROMPTS}, got {cfg.prompts!r}")
     if cfg.dtype not in DTYPES:
         raise EaglespecError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    layers = parse_layers(cfg.aux_layers)
+    if layers and not cfg.features_out:
+        raise EaglespecError("--aux-layers needs --features-out (they are written beside its shards)")
     out.parent.mkdir(parents=True, exist_ok=True)
     dtype = DTYPES[cfg.dtype]
     # fp32: pre-packed weights (batched steps are far cheaper on CPU); bf16 runs oneDNN's bf16 kernels
     model, tok = load_target(cfg.model, dtype=dtype, packed=dtype == torch.float32)
+    check_layers(layers, model)
     if cfg.prompts == "split":
         train_convs, _ = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)
         openings, id0 = [conv[: 2 if conv[0]["role"] == "system" else 1] for conv in train_convs], 0
@@ -169,7 +189,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     win = cfg.batch_size * 8  # sorted by length within windows: little padding, yet a fair sample if stopped early
     todo = [p for w in range(0, len(todo), win) for p in sorted(todo[w: w + win], key=lambda p: len(p[2]))]
     stop = eos_ids(tok, model)
-    eng = Engine(model, None)  # plain batched greedy decoding in one preallocated cache
+    eng = Engine(model, None, sink_layers=layers)  # plain batched greedy decoding in one preallocated cache
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", dynamic_ncols=True)
     new_tokens, t_gen = 0, 0.0
     with out.open("a", encoding="utf-8") as f:
@@ -180,7 +200,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
                                       return_features=feat_dir is not None)
             t_gen += time.perf_counter() - t0
             if feat_dir is not None:  # before the JSONL lines: see the module docstring
-                _write_feature_shards(feat_dir, batch, outs, model.config.vocab_size, cfg.heldout_every)
+                _write_feature_shards(feat_dir, batch, outs, model.config.vocab_size, cfg.heldout_every, layers)
             for (i, first, _), o in zip(batch, outs):
                 row = [t for t in o.token_ids if t not in stop]
                 new_tokens += len(row)
