@@ -228,6 +228,10 @@ def test_init_starts_from_a_trained_head(tiny_features, tmp_path):
     continued = load_file(str(tmp_path / "b" / "head" / "model.safetensors"))
     assert st["step"] == 1 and trained.keys() == continued.keys()
     assert all(torch.allclose(trained[k], continued[k], atol=1e-6) for k in trained)
+    # the --init head is evaluated before training (step 0): the baseline on this run's held-out set
+    a, b = json.loads((tmp_path / "a" / "train_log.json").read_text()), st["evals"]
+    assert [e["step"] for e in b] == [0, 1] and [e["step"] for e in a["evals"]] == [2]
+    assert b[0]["unroll_acc"] == pytest.approx(a["evals"][-1]["unroll_acc"])
     meta = json.loads((tmp_path / "b" / "head" / "config.json").read_text())["metadata"]
     assert meta["init_metadata"]["steps"] == 2  # the continued head's history is kept
 

@@ -330,6 +330,10 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
             head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t,
                                   num_layers=max(1, cfg.layers), aux_layers=aux_layers).bind(target)
         state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
+        if cfg.init and acc.is_main_process:  # the baseline this run must beat, on the same held-out set
+            accs = unroll_accuracy(head, held, cfg.eval_conversations, cfg.eval_steps)
+            state["evals"].append({"step": 0, "epoch": -1, "unroll_acc": accs})
+            tqdm.write(f"--init head: held-out step-1..{cfg.eval_steps} accuracy " + " ".join(f"{a:.3f}" for a in accs))
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if ck is not None:
