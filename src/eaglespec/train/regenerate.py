@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
 from .data import SHAREGPT_FROM, dropped_first_turns, load_conversations, split
-from .extract import DTYPES, aux_path, check_layers, pack_shard, parse_layers, read_shard, save_aux, shard_files, unpack_shard
+from .extract import (DTYPES, aux_path, check_layers, pack_shard, parse_layers, read_aux, read_shard, save_aux,
+                      shard_files, unpack_shard)
 
 
 PROMPTS = ("split", "dropped")  # the training split's first user turns, or the records it leaves out
@@ -99,9 +99,10 @@ def _save_shard(folder: Path, rows: list[tuple[int, tuple]], vocab: int,
     return path
 
 
-def _reconcile_shards(folder: Path, done: set[int]) -> None:
+def _reconcile_shards(folder: Path, done: set[int], layers: list[int]) -> None:
     """Keep in the shards only conversations the JSONL holds (an interrupted batch wrote its shard but
-    not all its lines), each once."""
+    not all its lines), each once; a cut shard's aux file is cut alike when this run writes `layers`,
+    else dropped (`extract --aux-only` recomputes it)."""
     seen: set[int] = set()
     for path in shard_files(folder, "*/shard_*.safetensors"):
         t = read_shard(path)
@@ -113,15 +114,13 @@ def _reconcile_shards(folder: Path, done: set[int]) -> None:
         if all(keep):
             continue
         aux = None
-        if aux_path(path).exists():  # cut to the kept conversations, like the shard
-            a = load_file(str(aux_path(path)))
-            off = t["offsets"].tolist()
-            aux = ([a["aux"][off[j]: off[j + 1]] for j, k in enumerate(keep) if k], a["layers"].tolist())
-            aux_path(path).unlink()  # no longer the shard's
+        if layers and aux_path(path).exists():  # checked like any aux file: a foreign one is a clear error
+            a, off = read_aux(path, layers, int(t["offsets"][-1])), t["offsets"].tolist()
+            aux = ([a[off[j]: off[j + 1]] for j, k in enumerate(keep) if k], layers)
+        aux_path(path).unlink(missing_ok=True)  # no longer the shard's
         kept = [(c, item) for c, item, k in zip(conv, unpack_shard(t), keep) if k]
         if kept and _save_shard(path.parent, kept, t["token_counts"].numel(), aux) == path:
             continue
-        aux_path(path).unlink(missing_ok=True)
         path.unlink()
 
 
@@ -184,7 +183,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     if feat_dir is not None:
         for name in ("train", "heldout"):
             (feat_dir / name).mkdir(parents=True, exist_ok=True)
-        _reconcile_shards(feat_dir, done)
+        _reconcile_shards(feat_dir, done, layers)
     todo = [p for p in prompts if p[0] not in done]
     win = cfg.batch_size * 8  # sorted by length within windows: little padding, yet a fair sample if stopped early
     todo = [p for w in range(0, len(todo), win) for p in sorted(todo[w: w + win], key=lambda p: len(p[2]))]
