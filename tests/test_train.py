@@ -47,6 +47,16 @@ def test_loss_matches_hand_computation_and_shift(head_and_batch):
     want = torch.stack(regs).mean() + 0.1 * torch.stack(ces).mean()
     torch.testing.assert_close(loss, want)
     assert info["tokens"] == int(mask[:, 1:].sum())
+    # EAGLE-3's loss: no feature regression, CE alone
+    ce_only, _ = eagle_loss(head, ids, feats, mask, noise=0.0, ce_weight=1.0, reg_weight=0.0)
+    torch.testing.assert_close(ce_only, torch.stack(ces).mean())
+
+
+@pytest.mark.parametrize("ce, reg, msg", [(-0.1, 1.0, "ce_weight must be >= 0"), (0.1, -1.0, "reg_weight must be >= 0"),
+                                          (0.0, 0.0, "nothing to train on")])
+def test_loss_weights_are_checked(ce, reg, msg):
+    with pytest.raises(EaglespecError, match=msg):
+        TrainConfig(features="f", out="o", ce_weight=ce, reg_weight=reg).validate()
 
 
 def test_shift_feature_j_pairs_with_token_j_plus_1(head_and_batch):

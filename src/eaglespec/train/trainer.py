@@ -45,6 +45,7 @@ class TrainConfig:
     batch_tokens: int = 4096
     noise: float = 0.1  # U(-noise, noise) on input features
     ce_weight: float = 0.1
+    reg_weight: float = 1.0  # SmoothL1 feature regression (0 = CE only, as EAGLE-3 trains; the paper uses 1)
     grad_clip: float = 0.5
     weight_decay: float = 0.0
     draft_vocab: int = 8192  # 0 = the full target vocabulary
@@ -65,11 +66,14 @@ class TrainConfig:
     def validate(self) -> None:
         checks = [("epochs", self.epochs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
                   ("batch_tokens", self.batch_tokens >= 1, ">= 1"), ("noise", self.noise >= 0, ">= 0"),
+                  ("ce_weight", self.ce_weight >= 0, ">= 0"), ("reg_weight", self.reg_weight >= 0, ">= 0"),
                   ("unroll", self.unroll >= 1, ">= 1"), ("unroll_decay", self.unroll_decay > 0, "> 0"),
                   ("unroll_fraction", 0 < self.unroll_fraction <= 1, "in (0, 1]"), ("layers", self.layers >= 0, ">= 0")]
         for name, ok, want in checks:
             if not ok:
                 raise EaglespecError(f"{name} must be {want}, got {getattr(self, name)}")
+        if self.ce_weight + self.reg_weight == 0:
+            raise EaglespecError("ce_weight and reg_weight are both 0: there is nothing to train on")
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -155,8 +159,10 @@ def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int]) -> torc
 # -- the loss -------------------------------------------------------------------------------------------
 def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor, noise: float,
                ce_weight: float, generator: torch.Generator | None = None, unroll: int = 1,
-               unroll_decay: float = 1.0, unroll_fraction: float = 1.0) -> tuple[torch.Tensor, dict]:
+               unroll_decay: float = 1.0, unroll_fraction: float = 1.0,
+               reg_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
     """ids, feats, mask: (B, T[, H]). The shift: input (f_j, t_{j+1}) -> prediction of f_{j+1}.
+    Loss per step: `reg_weight` * SmoothL1(f_hat, f) + `ce_weight` * CE(target's distribution, draft's).
 
     With `unroll` = k > 1 (training-time test, as in HASS / EAGLE-3): step s = 2..k feeds the head its
     own step s-1 predictions, exactly as drafting does (anchor j sees the real prefix up to j and its
@@ -194,7 +200,7 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
         p, arg = (p_target, arg_target) if s == 1 else (p_target[r[k]], arg_target[r[k]])
         logits = core.logits(pred[k]).float()
         ce = F.cross_entropy(logits, p, reduction="sum") / denom  # soft labels: -sum p log softmax, fused
-        total = total + unroll_decay ** (s - 1) * (reg + ce_weight * ce)
+        total = total + unroll_decay ** (s - 1) * (reg_weight * reg + ce_weight * ce)
         with torch.no_grad():
             acc = (logits.argmax(-1) == arg).float().sum() / denom
         if s == 1:
@@ -361,7 +367,7 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         ids, feats, mask = collate(train_set, idx, str(acc.device))
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumable noise
         loss, info = eagle_loss(head_p, ids, feats, mask, cfg.noise, cfg.ce_weight, gen, cfg.unroll,
-                                 cfg.unroll_decay, cfg.unroll_fraction)
+                                 cfg.unroll_decay, cfg.unroll_fraction, cfg.reg_weight)
         opt_p.zero_grad(set_to_none=True)
         acc.backward(loss)
         acc.clip_grad_norm_(head_p.parameters(), cfg.grad_clip)
