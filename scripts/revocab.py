@@ -19,6 +19,7 @@ import torch
 from eaglespec import EagleDraftHead, load_target
 from pathlib import Path
 
+from eaglespec.io import short_path
 from eaglespec.train.extract import read_shard, shard_files
 
 
@@ -39,7 +40,7 @@ def main(head_in: str, features: str, head_out: str) -> None:
     head.d2t = torch.tensor(sorted(chosen), dtype=torch.long)
     head._packed_draft = None
     head.refresh_draft_weight()
-    head.metadata["draft_vocab_rebuilt_from"] = features
+    head.metadata["draft_vocab_rebuilt_from"] = ",".join(short_path(f) for f in features.split(","))
     head.save_pretrained(head_out)
     print(f"{len(chosen)} draft tokens, {len(chosen - set(old))} new")
 
