@@ -4,46 +4,40 @@
 session 1 from ChatGPT-written ShareGPT answers: it left out 4.4 % of SmolLM2's own answer tokens
 (" billion", " smartphone", ...), which the head could then never propose. The head's weights do
 not depend on the vocabulary (it predicts features; the draft LM head is rows of the target's), so
-a new one needs no training. The new vocabulary: every assistant token of the given feature
-shards, most frequent first, then the old vocabulary's lowest ids (BPE merge order, roughly
-frequency) up to the same size, plus EOS.
+a new one needs no training. The new vocabulary: the assistant tokens of the given feature shards
+(their `token_counts`), most frequent first, then the old vocabulary's lowest ids (BPE merge order,
+roughly frequency) up to the same size, plus EOS.
 
-    python scripts/revocab.py HEAD_IN FEATURES_DIR[,FEATURES_DIR...] HEAD_OUT
+    python scripts/revocab.py HEAD_IN FEATURES_DIR[,FEATURES_DIR...] HEAD_OUT [MODEL]
 """
 
-import collections
 import sys
+from pathlib import Path
 
 import torch
 
 from eaglespec import EagleDraftHead, load_target
-from pathlib import Path
-
 from eaglespec.io import short_path
 from eaglespec.train.extract import read_shard, shard_files
 
 
-def main(head_in: str, features: str, head_out: str) -> None:
-    model, tok = load_target("smollm2-135m-instruct")
-    counts: collections.Counter[int] = collections.Counter()
-    for folder in features.split(","):
-        for path in shard_files(Path(folder).expanduser() / "train"):
-            t = read_shard(path)
-            counts.update(t["input_ids"][t["loss_mask"].bool()].tolist())
+def main(head_in: str, features: str, head_out: str, model_name: str = "smollm2-135m-instruct") -> None:
+    model, tok = load_target(model_name)
+    folders = features.split(",")
+    counts = sum(read_shard(p)["token_counts"] for f in folders for p in shard_files(Path(f).expanduser() / "train"))
     head = EagleDraftHead.from_pretrained(head_in, model)
     old = head.d2t.tolist()
-    chosen = {k for k, _ in counts.most_common(len(old) - 1)} | {tok.eos_token_id}
+    seen = torch.topk(counts, min(int((counts > 0).sum()), len(old) - 1)).indices.tolist()
+    chosen = set(seen) | {tok.eos_token_id}
     for t in sorted(old):
         if len(chosen) >= len(old):
             break
         chosen.add(t)
     head.d2t = torch.tensor(sorted(chosen), dtype=torch.long)
-    head._packed_draft = None
-    head.refresh_draft_weight()
-    head.metadata["draft_vocab_rebuilt_from"] = ",".join(short_path(f) for f in features.split(","))
+    head.metadata["draft_vocab_rebuilt_from"] = ",".join(short_path(f) for f in folders)
     head.save_pretrained(head_out)
     print(f"{len(chosen)} draft tokens, {len(chosen - set(old))} new")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
