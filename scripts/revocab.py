@@ -6,7 +6,8 @@ session 1 from ChatGPT-written ShareGPT answers: it left out 4.4 % of SmolLM2's 
 not depend on the vocabulary (it predicts features; the draft LM head is rows of the target's), so
 a new one needs no training. The new vocabulary: the assistant tokens of the given feature shards
 (their `token_counts`), most frequent first, then the old vocabulary's lowest ids (BPE merge order,
-roughly frequency) up to the same size, plus EOS.
+roughly frequency) up to the same size, plus EOS (`train.trainer.draft_vocabulary` with `fill`).
+`train --init HEAD --revocab` does the same before training; this script is for a head already trained.
 
     python scripts/revocab.py HEAD_IN FEATURES_DIR[,FEATURES_DIR...] HEAD_OUT [MODEL]
 """
@@ -14,11 +15,11 @@ roughly frequency) up to the same size, plus EOS.
 import sys
 from pathlib import Path
 
-import torch
-
 from eaglespec import EagleDraftHead, load_target
 from eaglespec.io import short_path
+from eaglespec.models import eos_ids
 from eaglespec.train.extract import read_shard, shard_files
+from eaglespec.train.trainer import draft_vocabulary
 
 
 def main(head_in: str, features: str, head_out: str, model_name: str = "smollm2-135m-instruct") -> None:
@@ -26,17 +27,11 @@ def main(head_in: str, features: str, head_out: str, model_name: str = "smollm2-
     folders = features.split(",")
     counts = sum(read_shard(p)["token_counts"] for f in folders for p in shard_files(Path(f).expanduser() / "train"))
     head = EagleDraftHead.from_pretrained(head_in, model)
-    old = head.d2t.tolist()
-    seen = torch.topk(counts, min(int((counts > 0).sum()), len(old) - 1)).indices.tolist()
-    chosen = set(seen) | {tok.eos_token_id}
-    for t in sorted(old):
-        if len(chosen) >= len(old):
-            break
-        chosen.add(t)
-    head.d2t = torch.tensor(sorted(chosen), dtype=torch.long)
+    old = set(head.d2t.tolist())
+    head.set_draft_vocab(draft_vocabulary(counts, len(old), eos_ids(tok, model), fill=sorted(old)))
     head.metadata["draft_vocab_rebuilt_from"] = ",".join(short_path(f) for f in folders)
     head.save_pretrained(head_out)
-    print(f"{len(chosen)} draft tokens, {len(chosen - set(old))} new")
+    print(f"{head.d2t.numel()} draft tokens, {len(set(head.d2t.tolist()) - old)} new")
 
 
 if __name__ == "__main__":

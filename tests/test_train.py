@@ -141,6 +141,11 @@ def test_draft_vocabulary_keeps_frequent_and_eos():
     d2t = draft_vocabulary(counts, 5, always=[1])
     assert d2t.tolist() == [1, 16, 17, 18, 19]
     assert draft_vocabulary(counts, 0, [1]) is None
+    # refreshing an old vocabulary: the data's tokens by frequency, then the old one's lowest ids
+    want = [1, 3, 5, *range(10, 20), 30]
+    assert draft_vocabulary(counts, 14, always=[1], fill=[40, 3, 30, 17, 5]).tolist() == want
+    small = draft_vocabulary(counts, 14, always=[1], fill=[3]).tolist()  # too small a fill: still full size
+    assert len(set(small)) == 14 and {1, 3, *range(10, 20)} <= set(small)
 
 
 def test_sharegpt_parsing_of_truncated_json(tmp_path):
@@ -244,6 +249,37 @@ def test_init_starts_from_a_trained_head(tiny_features, tmp_path):
     assert b[0]["unroll_acc"] == pytest.approx(a["evals"][-1]["unroll_acc"])
     meta = json.loads((tmp_path / "b" / "head" / "config.json").read_text())["metadata"]
     assert meta["init_metadata"]["steps"] == 2  # the continued head's history is kept
+
+
+def test_revocab_refreshes_the_init_heads_draft_vocabulary(tiny_features, tmp_path):
+    """`train --init H --revocab`: H's draft vocabulary, same size, rebuilt from this run's data
+    (its most frequent assistant tokens, then H's own lowest ids; `draft_vocabulary`'s test covers
+    the fill); without --revocab H's is kept."""
+    from eaglespec.cli import _config_from, build_parser
+    from eaglespec.head import EagleDraftHead
+    from eaglespec.models import load_target
+    from eaglespec.train.extract import read_shard, shard_files
+
+    root = tiny_features
+    common = dict(features=str(root / "feats"), model=str(root / "model"), epochs=1, batch_tokens=128,
+                  eval_conversations=2, save_every=50, warmup_steps=2, max_steps=1, lr=1e-12)
+    model, _ = load_target(str(root / "model"))
+    head = EagleDraftHead(model.config, draft_vocab=torch.arange(32, 128)).bind(model)
+    head.save_pretrained(tmp_path / "h")
+    args = build_parser().parse_args(["train", "--features", common["features"], "--out", str(tmp_path / "b"),
+                                      "--init", str(tmp_path / "h"), "--revocab"])
+    assert _config_from(args, TrainConfig).revocab
+    train(TrainConfig(out=str(tmp_path / "a"), init=str(tmp_path / "h"), **common))
+    train(TrainConfig(out=str(tmp_path / "b"), init=str(tmp_path / "h"), revocab=True, **common))
+    kept = EagleDraftHead.from_pretrained(tmp_path / "a" / "head", model).d2t.tolist()
+    new = EagleDraftHead.from_pretrained(tmp_path / "b" / "head", model).d2t.tolist()
+    assert kept == list(range(32, 128))
+    counts = sum(read_shard(p)["token_counts"] for p in shard_files(root / "feats" / "train"))
+    eos = model.config.eos_token_id
+    seen = set(torch.nonzero(counts).flatten().tolist())
+    assert len(new) == 96 and eos in new and 32 < len(seen) < 95 and seen <= set(new)  # all the data's tokens
+    rest = sorted(set(new) - seen - {eos})  # then H's lowest ids
+    assert rest == sorted(set(range(32, 128)) - seen - {eos})[:len(rest)]
 
 
 def test_growing_a_head_keeps_its_predictions_and_trains_the_new_layer(tiny_features, tmp_path):

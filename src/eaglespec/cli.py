@@ -101,7 +101,10 @@ def _add_fields(p: argparse.ArgumentParser, defaults: object, skip: tuple[str, .
     for f in fields(defaults):  # type: ignore[arg-type]
         if f.name not in skip:
             val = getattr(defaults, f.name)
-            p.add_argument("--" + f.name.replace("_", "-"), type=type(val), default=val)
+            if isinstance(val, bool):  # type=bool would read "--x False" as True
+                p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=val)
+            else:
+                p.add_argument("--" + f.name.replace("_", "-"), type=type(val), default=val)
 
 
 def _config_from(a: argparse.Namespace, cls: type):

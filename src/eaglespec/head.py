@@ -114,6 +114,13 @@ class EagleDraftHead(nn.Module):
         if self.d2t is not None and self._frozen is not None:
             self._w_draft = self.lm_head.weight.detach()[self.d2t.to(self.lm_head.weight.device)]
 
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """A new draft vocabulary (target ids). The weights do not depend on it: no retraining needed."""
+        if self._packed_draft is not None:
+            raise RuntimeError("set the draft vocabulary before pack()")
+        self.d2t = d2t.long().to(self.fc.weight.device)
+        self.refresh_draft_weight()
+
     @property
     def draft_vocab_size(self) -> int:
         return self.vocab_size if self.d2t is None else self.d2t.numel()

@@ -62,6 +62,7 @@ class TrainConfig:
     unroll_fraction: float = 0.25  # share of anchors whose chains train at steps >= 2
     layers: int = 0  # decoder layers of the head (0: the --init head's, else 1); more than --init's grows it
     aux_layers: str = ""  # EAGLE-3 feature fusion: target layers fed to the head too, e.g. "3,15,27" ("": --init's)
+    revocab: bool = False  # with init: rebuild its draft vocabulary (same size) from this run's data first
 
     def validate(self) -> None:
         checks = [("epochs", self.epochs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
@@ -142,12 +143,19 @@ def collate(seqs: Sequences, idx: list[int], device: str) -> tuple[torch.Tensor,
     return ids.to(device), feats.to(device), mask.to(device)
 
 
-def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int]) -> torch.Tensor | None:
-    """The `size` most frequent assistant tokens (plus `always`, e.g. EOS), sorted by id."""
+def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int],
+                     fill: list[int] | None = None) -> torch.Tensor | None:
+    """The `size` most frequent assistant tokens (plus `always`, e.g. EOS), sorted by id.
+
+    With `fill` (an older draft vocabulary, e.g. the --init head's): only tokens the data contains
+    are taken by frequency, and the rest of the room goes to `fill`'s lowest ids (BPE merge order,
+    roughly frequency), so a small data set refreshes a vocabulary without emptying it."""
     if size <= 0 or size >= counts.numel():
         return None
     top = torch.topk(counts.double() + 1e-3 * torch.rand(counts.numel(), generator=torch.Generator().manual_seed(0)),
                      size).indices.tolist()
+    if fill is not None:
+        top = [t for t in top if counts[t] > 0] + sorted(fill) + [t for t in top if counts[t] == 0]
     chosen = set(top[: size - len(always)]) | set(always)
     for t in top:
         if len(chosen) >= size:
@@ -330,6 +338,9 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
             head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
             head.grow(max(cfg.layers, head.num_layers))  # new layers start as the identity
             head.add_aux_layers(aux_layers)  # a new fusion starts at zero
+            if cfg.revocab and head.d2t is not None:  # the weights do not depend on the vocabulary
+                head.set_draft_vocab(draft_vocabulary(train_set.token_counts, head.d2t.numel(),
+                                                      eos_ids(tok, target), fill=head.d2t.tolist()))
         else:
             always = eos_ids(tok, target)
             d2t = draft_vocabulary(train_set.token_counts, cfg.draft_vocab, always)
