@@ -280,6 +280,12 @@ def test_revocab_refreshes_the_init_heads_draft_vocabulary(tiny_features, tmp_pa
     assert len(new) == 96 and eos in new and 32 < len(seen) < 95 and seen <= set(new)  # all the data's tokens
     rest = sorted(set(new) - seen - {eos})  # then H's lowest ids
     assert rest == sorted(set(range(32, 128)) - seen - {eos})[:len(rest)]
+    # nothing to rebuild: no --init, or an --init head over the full vocabulary
+    with pytest.raises(EaglespecError, match="give --init"):
+        TrainConfig(features="f", out="o", revocab=True).validate()
+    EagleDraftHead(model.config).bind(model).save_pretrained(tmp_path / "full")
+    with pytest.raises(EaglespecError, match="full vocabulary"):
+        train(TrainConfig(out=str(tmp_path / "c"), init=str(tmp_path / "full"), revocab=True, **common))
 
 
 def test_growing_a_head_keeps_its_predictions_and_trains_the_new_layer(tiny_features, tmp_path):

@@ -75,6 +75,9 @@ class TrainConfig:
                 raise EaglespecError(f"{name} must be {want}, got {getattr(self, name)}")
         if self.ce_weight + self.reg_weight == 0:
             raise EaglespecError("ce_weight and reg_weight are both 0: there is nothing to train on")
+        if self.revocab and not self.init:
+            raise EaglespecError("revocab rebuilds the --init head's draft vocabulary: give --init "
+                                 "(without it --draft-vocab picks one from the data)")
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -338,7 +341,10 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
             head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
             head.grow(max(cfg.layers, head.num_layers))  # new layers start as the identity
             head.add_aux_layers(aux_layers)  # a new fusion starts at zero
-            if cfg.revocab and head.d2t is not None:  # the weights do not depend on the vocabulary
+            if cfg.revocab:  # the weights do not depend on the vocabulary
+                if head.d2t is None:
+                    raise EaglespecError(f"{cfg.init} drafts over the full vocabulary: there is no draft "
+                                         "vocabulary to rebuild")
                 head.set_draft_vocab(draft_vocabulary(train_set.token_counts, head.d2t.numel(),
                                                       eos_ids(tok, target), fill=head.d2t.tolist()))
         else:
