@@ -550,6 +550,49 @@ def test_regenerate_features_equal_an_extraction_of_the_same_tokens_and_survive_
         regenerate(replace(cfg, aux_layers="1,99"))
 
 
+def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_their_features(tiny_features, tmp_path):
+    """--temperature > 0: each answer is the engine's vanilla sample of its prompt with the seed
+    `seed + id` (one prompt per batch here), not the greedy answer, and its shard holds those ids."""
+    from transformers import AutoTokenizer
+
+    from eaglespec.engine import Engine
+    from eaglespec.models import load_target
+    from eaglespec.train.extract import features_for
+    from eaglespec.train.regenerate import RegenerateConfig, regenerate
+    from eaglespec.verify import SamplingParams
+
+    root = tiny_features
+    out, feats = tmp_path / "sampled.jsonl", tmp_path / "feats"
+    cfg = RegenerateConfig(model=str(root / "model"), out=str(out), data=str(root / "convs.jsonl"), max_new_tokens=6,
+                           max_conversations=6, batch_size=1, heldout=4, seed=7, temperature=1.0,
+                           features_out=str(feats))
+    regenerate(cfg)
+    recs = {json.loads(x)["id"]: json.loads(x) for x in out.read_text().splitlines()}
+    assert sorted(recs) == list(range(6))
+    model, _ = load_target(str(root / "model"))
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    eng = Engine(model, None)
+    differs = 0
+    for i, r in recs.items():
+        ids = tok.apply_chat_template([{"role": "user", "content": r["conversations"][0]["value"]}],
+                                      add_generation_prompt=True, tokenize=True)
+        o = eng.generate_batch([ids], 6, SamplingParams(temperature=1.0), method="vanilla", seed=7 + i,
+                               eos_token_ids=[1])[0]
+        assert r["conversations"][1]["value"] == tok.decode([t for t in o.token_ids if t != 1])
+        differs += r["conversations"][1]["value"] != greedy_answer(eng, tok, r)[0]
+    assert differs >= 3  # a random tiny model's samples part from its greedy answers
+    for path in sorted(feats.glob("*/shard_*.safetensors")):
+        t = read_shard(path)
+        off = t["offsets"].tolist()
+        for c, a, b in zip(t["conv_ids"].tolist(), off, off[1:]):
+            ids = t["input_ids"][a:b].tolist()
+            answer = [x for x, m in zip(ids, t["loss_mask"][a:b].tolist()) if m]
+            assert recs[c]["conversations"][1]["value"].startswith(tok.decode([x for x in answer if x != 1]))
+            torch.testing.assert_close(t["features"][a:b].float(), features_for(model, [ids])[0], atol=2e-3, rtol=2e-3)
+    with pytest.raises(EaglespecError, match="temperature"):
+        regenerate(replace(cfg, temperature=-1.0))
+
+
 def test_regenerate_in_bf16_gives_the_bf16_targets_answers_and_near_fp32_features(tiny_features, tmp_path):
     """--dtype bfloat16: the answers are the bf16 model's own greedy decoding, and the stored features
     are an fp32 extraction of the same ids to within bf16 rounding (and no closer than fp16 storage

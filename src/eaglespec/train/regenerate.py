@@ -26,6 +26,11 @@ features within ~2 % of fp32's, top-1 agreement 99.7 %, KL 0.001 nats, against t
 noise put on every input feature and a head that agrees with the target ~60 % of the time). The
 answers are then the bf16 model's greedy ones, which part from fp32's now and then; the head still
 learns the fp32 target's own style. Features are stored in fp16 either way.
+
+``temperature`` > 0 samples the answers instead (seeded per batch): new contexts in the target's own
+style for prompts whose greedy answers a head has already trained on. Training never reads the
+sampled token as a label (the soft label is the target's full distribution at each position), so
+sampled text is as valid as greedy text; it is what the head meets at temperature > 0.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from tqdm import tqdm
 
 from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
+from ..verify import SamplingParams
 from .data import SHAREGPT_FROM, dropped_first_turns, load_conversations, split
 from .extract import (DTYPES, aux_path, check_layers, pack_shard, parse_layers, read_aux, read_shard, save_aux,
                       shard_files, unpack_shard)
@@ -67,6 +73,7 @@ class RegenerateConfig:
     dtype: str = "float32"  # or "bfloat16": faster decoding, near-identical data (see the module docstring)
     prompts: str = "split"  # or "dropped": opening turns of the records the conversation filter drops
     aux_layers: str = ""  # with features_out: also these layers' hidden states (EAGLE-3 fusion), no extract pass
+    temperature: float = 0.0  # 0: greedy answers; > 0: sampled (more contexts per prompt; see the docstring)
 
 
 def _done_ids(path: Path) -> set[int]:
@@ -145,7 +152,7 @@ def _write_feature_shards(folder: Path, batch: list[tuple[int, list, list[int]]]
 def regenerate(cfg: RegenerateConfig) -> dict:
     """Answer the first user turn of training-split conversations [`first_conversation`, `max_conversations`)
     (or of the dropped records, `prompts="dropped"`)
-    with the target's greedy decoding (vanilla, batched), appending to `cfg.out`; returns counts and speed."""
+    with the target's greedy (or, `temperature` > 0, sampled) decoding (vanilla, batched), appending to `cfg.out`; returns counts and speed."""
     from ..engine import Engine
     from ..models import eos_ids, load_target
 
@@ -160,6 +167,10 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         raise EaglespecError(f"--prompts must be one of {PROMPTS}, got {cfg.prompts!r}")
     if cfg.dtype not in DTYPES:
         raise EaglespecError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    try:
+        sampling = SamplingParams(temperature=cfg.temperature)
+    except ValueError as e:
+        raise EaglespecError(f"--temperature: {e}") from None
     layers = parse_layers(cfg.aux_layers)
     if layers and not cfg.features_out:
         raise EaglespecError("--aux-layers needs --features-out (they are written beside its shards)")
@@ -195,7 +206,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         for b in range(0, len(todo), cfg.batch_size):
             batch = todo[b: b + cfg.batch_size]
             t0 = time.perf_counter()
-            outs = eng.generate_batch([p[2] for p in batch], cfg.max_new_tokens, method="vanilla", eos_token_ids=stop,
+            outs = eng.generate_batch([p[2] for p in batch], cfg.max_new_tokens, sampling, method="vanilla",
+                                      seed=cfg.seed + batch[0][0], eos_token_ids=stop,
                                       return_features=feat_dir is not None)
             t_gen += time.perf_counter() - t0
             if feat_dir is not None:  # before the JSONL lines: see the module docstring
