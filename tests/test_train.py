@@ -431,6 +431,25 @@ def greedy_answer(eng, tok, record: dict, max_new_tokens: int = 6) -> tuple[str,
     return tok.decode([t for t in out.token_ids if t != 1]), out.finish_reason
 
 
+def regenerate_shards(feats, aux_layers: list[int] | None = None) -> dict[int, tuple]:
+    """Every conversation in a `regenerate --features-out` folder, once each:
+    {conv_id: (split, input_ids, loss_mask, features, aux features or None)}."""
+    from eaglespec.train.extract import read_aux
+
+    got = {}
+    for path in sorted(feats.glob("*/shard_*.safetensors")):
+        if path.name.endswith(".aux.safetensors"):
+            continue
+        t = read_shard(path)
+        off = t["offsets"].tolist()
+        aux = read_aux(path, aux_layers, off[-1]) if aux_layers else None
+        for c, a, b in zip(t["conv_ids"].tolist(), off, off[1:]):
+            assert c not in got, f"conversation {c} twice"
+            got[c] = (path.parent.name, t["input_ids"][a:b].tolist(), t["loss_mask"][a:b].tolist(),
+                      t["features"][a:b].float(), None if aux is None else aux[a:b].float())
+    return got
+
+
 def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features, tmp_path):
     from transformers import AutoTokenizer
 
@@ -446,7 +465,7 @@ def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features,
     rep = regenerate(cfg)
     assert rep["answered"] == 7 and rep["already_done"] == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
-    assert sorted(r["id"] for r in recs) == list(range(7))
+    assert sorted(r["id"] for r in recs) == list(range(7)) and {r["temperature"] for r in recs} == {0.0}
     model, _ = load_target(str(root / "model"))
     tok = AutoTokenizer.from_pretrained(root / "model")
     eng = Engine(model, None)
@@ -488,7 +507,7 @@ def test_regenerate_features_equal_an_extraction_of_the_same_tokens_and_survive_
     from transformers import AutoTokenizer
 
     from eaglespec.models import load_target
-    from eaglespec.train.extract import features_for, read_aux
+    from eaglespec.train.extract import features_for
     from eaglespec.train.regenerate import RegenerateConfig, regenerate
     from eaglespec.train.trainer import load_split
 
@@ -501,21 +520,7 @@ def test_regenerate_features_equal_an_extraction_of_the_same_tokens_and_survive_
     recs = {json.loads(x)["id"]: json.loads(x) for x in out.read_text().splitlines()}
     model, _ = load_target(str(root / "model"))
 
-    def shards() -> dict[int, tuple[str, list[int], list[int], torch.Tensor, torch.Tensor]]:
-        got = {}
-        for path in sorted(feats.glob("*/shard_*.safetensors")):
-            if path.name.endswith(".aux.safetensors"):
-                continue
-            t = read_shard(path)
-            off = t["offsets"].tolist()
-            aux = read_aux(path, [1, 2], off[-1])
-            for c, a, b in zip(t["conv_ids"].tolist(), off, off[1:]):
-                assert c not in got, f"conversation {c} twice"
-                got[c] = (path.parent.name, t["input_ids"][a:b].tolist(), t["loss_mask"][a:b].tolist(),
-                          t["features"][a:b].float(), aux[a:b].float())
-        return got
-
-    got = shards()
+    got = regenerate_shards(feats, [1, 2])
     assert sorted(got) == sorted(recs) == list(range(8))
     for c, (split_name, ids, mask, f, aux) in got.items():
         assert split_name == ("heldout" if c % 3 == 0 else "train")
@@ -535,7 +540,7 @@ def test_regenerate_features_equal_an_extraction_of_the_same_tokens_and_survive_
     out.write_text("\n".join(lines[:-3]) + "\n")
     rep = regenerate(cfg)
     assert rep["answered"] == 3
-    again = shards()
+    again = regenerate_shards(feats, [1, 2])
     assert sorted(again) == list(range(8))
     for c in got:
         assert again[c][:3] == got[c][:3]
@@ -568,7 +573,7 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
                            features_out=str(feats))
     regenerate(cfg)
     recs = {json.loads(x)["id"]: json.loads(x) for x in out.read_text().splitlines()}
-    assert sorted(recs) == list(range(6))
+    assert sorted(recs) == list(range(6)) and {r["temperature"] for r in recs.values()} == {1.0}
     model, _ = load_target(str(root / "model"))
     tok = AutoTokenizer.from_pretrained(root / "model")
     eng = Engine(model, None)
@@ -581,15 +586,13 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
         assert r["conversations"][1]["value"] == tok.decode([t for t in o.token_ids if t != 1])
         differs += r["conversations"][1]["value"] != greedy_answer(eng, tok, r)[0]
     assert differs >= 3  # a random tiny model's samples part from its greedy answers
-    for path in sorted(feats.glob("*/shard_*.safetensors")):
-        t = read_shard(path)
-        off = t["offsets"].tolist()
-        for c, a, b in zip(t["conv_ids"].tolist(), off, off[1:]):
-            ids = t["input_ids"][a:b].tolist()
-            answer = [x for x, m in zip(ids, t["loss_mask"][a:b].tolist()) if m]
-            assert recs[c]["conversations"][1]["value"].startswith(tok.decode([x for x in answer if x != 1]))
-            torch.testing.assert_close(t["features"][a:b].float(), features_for(model, [ids])[0], atol=2e-3, rtol=2e-3)
-    with pytest.raises(EaglespecError, match="temperature"):
+    got = regenerate_shards(feats)
+    assert sorted(got) == list(range(6))
+    for c, (_, ids, mask, f, _) in got.items():
+        answer = [x for x, m in zip(ids, mask) if m]
+        assert recs[c]["conversations"][1]["value"].startswith(tok.decode([x for x in answer if x != 1]))
+        torch.testing.assert_close(f, features_for(model, [ids])[0], atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="temperature"):
         regenerate(replace(cfg, temperature=-1.0))
 
 

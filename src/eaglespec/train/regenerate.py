@@ -5,7 +5,7 @@ answers (instead of the dataset's, written by another model) matches what it wil
 a small gain from this for 7B targets ("Training data sensitivity"); a 135M target's answers differ
 much more from ChatGPT's, which is where it pays.
 
-Output: a JSONL of ``{"id", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`` records
+Output: a JSONL of ``{"id", "temperature", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`` records
 (first user turn of each conversation, the target's greedy answer), readable by ``eaglespec extract
 --data``. ``prompts="dropped"`` answers instead the records the conversation filter drops, up to
 their first user turn (6,253 of ShareGPT's records, nearly all later pieces of conversations
@@ -167,10 +167,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         raise EaglespecError(f"--prompts must be one of {PROMPTS}, got {cfg.prompts!r}")
     if cfg.dtype not in DTYPES:
         raise EaglespecError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
-    try:
-        sampling = SamplingParams(temperature=cfg.temperature)
-    except ValueError as e:
-        raise EaglespecError(f"--temperature: {e}") from None
+    sampling = SamplingParams(temperature=cfg.temperature)  # a bad one raises ValueError, as generate's does
     layers = parse_layers(cfg.aux_layers)
     if layers and not cfg.features_out:
         raise EaglespecError("--aux-layers needs --features-out (they are written beside its shards)")
@@ -218,7 +215,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
                 answer = tok.decode(row, skip_special_tokens=True)
                 turns = [{"from": SHAREGPT_FROM[m["role"]], "value": m["content"]} for m in first]
                 reply = {"from": SHAREGPT_FROM["assistant"], "value": answer, "truncated": o.finish_reason != "eos"}
-                f.write(json.dumps({"id": i, "conversations": turns + [reply]}) + "\n")
+                f.write(json.dumps({"id": i, "temperature": cfg.temperature, "conversations": turns + [reply]}) + "\n")
             f.flush()
             bar.update(len(batch))
             bar.set_postfix(tok_per_s=f"{new_tokens / max(t_gen, 1e-9):.0f}")
