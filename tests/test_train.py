@@ -450,6 +450,12 @@ def regenerate_shards(feats, aux_layers: list[int] | None = None) -> dict[int, t
     return got
 
 
+def assert_shard_holds_the_records_answer(tok, record: dict, ids: list[int], mask: list[int]) -> None:
+    """The loss-masked ids of a regenerate shard are the JSONL answer as generated (its last token aside)."""
+    answer = [t for t, m in zip(ids, mask) if m and t != 1]
+    assert record["conversations"][1]["value"].startswith(tok.decode(answer))
+
+
 def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features, tmp_path):
     from transformers import AutoTokenizer
 
@@ -531,8 +537,7 @@ def test_regenerate_features_equal_an_extraction_of_the_same_tokens_and_survive_
     # the answer in the shard is the JSONL's answer, as generated (its last token aside)
     tok = AutoTokenizer.from_pretrained(root / "model")
     for c, (_, ids, mask, _, _) in got.items():
-        answer = [t for t, m in zip(ids, mask) if m]
-        assert recs[c]["conversations"][1]["value"].startswith(tok.decode([t for t in answer if t != 1]))
+        assert_shard_holds_the_records_answer(tok, recs[c], ids, mask)
     assert len(load_split(feats / "train").ids) + len(load_split(feats / "heldout").ids) == 8
     # interrupted after a batch's shards but before all its JSONL lines: the last batch (2 rows) and
     # one row of the batch before lose their lines, so one shard keeps part of its conversations
@@ -589,8 +594,7 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
     got = regenerate_shards(feats)
     assert sorted(got) == list(range(6))
     for c, (_, ids, mask, f, _) in got.items():
-        answer = [x for x, m in zip(ids, mask) if m]
-        assert recs[c]["conversations"][1]["value"].startswith(tok.decode([x for x in answer if x != 1]))
+        assert_shard_holds_the_records_answer(tok, recs[c], ids, mask)
         torch.testing.assert_close(f, features_for(model, [ids])[0], atol=2e-3, rtol=2e-3)
     with pytest.raises(ValueError, match="temperature"):
         regenerate(replace(cfg, temperature=-1.0))
