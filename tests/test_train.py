@@ -248,7 +248,17 @@ def test_init_starts_from_a_trained_head(tiny_features, tmp_path):
     assert [e["step"] for e in b] == [0, 1] and [e["step"] for e in a["evals"]] == [2]
     assert b[0]["unroll_acc"] == pytest.approx(a["evals"][-1]["unroll_acc"])
     meta = json.loads((tmp_path / "b" / "head" / "config.json").read_text())["metadata"]
-    assert meta["init_metadata"]["steps"] == 2  # the continued head's history is kept
+    assert [h["steps"] for h in meta["history"]] == [2]  # the continued head's run is kept
+
+
+def test_training_history_is_flat_oldest_first_and_unfolds_legacy_nesting():
+    """A head continued from a continued head lists every run once, oldest first; the nested
+    `init_metadata` form of older heads unfolds into the same list."""
+    from eaglespec.train.trainer import training_history
+    legacy = {"steps": 3, "init_metadata": {"steps": 2, "init_metadata": {"steps": 1}}}
+    flat = {"steps": 3, "history": [{"steps": 1}, {"steps": 2}]}
+    assert training_history(legacy) == training_history(flat) == [{"steps": 1}, {"steps": 2}, {"steps": 3}]
+    assert training_history({}) == []
 
 
 def test_revocab_refreshes_the_init_heads_draft_vocabulary(tiny_features, tmp_path):

@@ -412,11 +412,23 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         final = acc.unwrap_model(head_p)
         final.metadata = {"train_config": _portable(asdict(cfg)), "steps": step, "tokens_seen": state["tokens_seen"],
                           "train_time_s": state["train_time_s"], "evals": state["evals"]}
-        if cfg.init:  # the history of the head this run continued
-            final.metadata["init_metadata"] = read_head_config(Path(cfg.init)).get("metadata", {})
+        if cfg.init:  # the runs behind the head this run continued, oldest first
+            final.metadata["history"] = training_history(read_head_config(Path(cfg.init)).get("metadata", {}))
         final.save_pretrained(out / "head")
         plot_curves(state, out / "curves.png")
     return state
+
+
+def training_history(metadata: dict) -> list[dict]:
+    """Every training run behind a head, oldest first, each its own metadata without history.
+
+    Kept flat so a head continued many times carries one list, not a nesting as deep as its runs;
+    heads written before `history` existed nest their past under `init_metadata` and unfold here."""
+    if not metadata:
+        return []
+    own = {k: v for k, v in metadata.items() if k not in ("history", "init_metadata")}
+    past = metadata.get("history") or training_history(metadata.get("init_metadata", {}))
+    return [*past, own]
 
 
 def _portable(config: dict) -> dict:
