@@ -432,12 +432,16 @@ def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path):
         train(TrainConfig(features=str(feats), out=str(tmp_path / "e"), aux_layers="x", **common))
 
 
+def prompt_ids(tok, record: dict) -> list[int]:
+    """A regenerated record's prompt: its first user turn in the chat template."""
+    prompt = [{"role": "user", "content": record["conversations"][0]["value"]}]
+    return tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+
+
 def greedy_answer(eng, tok, record: dict, max_new_tokens: int = 6) -> tuple[str, str]:
     """The engine's greedy answer to a regenerated record's first user turn: (text, finish reason);
     EOS (id 1) ends the answer and is not part of its text."""
-    prompt = [{"role": "user", "content": record["conversations"][0]["value"]}]
-    ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-    out = eng.generate(ids, max_new_tokens, method="vanilla", eos_token_ids=[1])
+    out = eng.generate(prompt_ids(tok, record), max_new_tokens, method="vanilla", eos_token_ids=[1])
     return tok.decode([t for t in out.token_ids if t != 1]), out.finish_reason
 
 
@@ -505,8 +509,7 @@ def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features,
     with pytest.raises(EaglespecError, match="first-conversation"):
         regenerate(replace(cfg, out=str(part), first_conversation=-1))
     # a length window: the prompts one run's --max-prompt-len skipped are another run's --min-prompt-len
-    lens = {r["id"]: len(tok.apply_chat_template([{"role": "user", "content": r["conversations"][0]["value"]}],
-                                                 add_generation_prompt=True, tokenize=True)) for r in recs}
+    lens = {r["id"]: len(prompt_ids(tok, r)) for r in recs}
     cut = sorted(lens.values())[len(lens) // 2]
     short, long = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
     regenerate(replace(cfg, out=str(short), max_prompt_len=cut - 1))
@@ -594,9 +597,7 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
     eng = Engine(model, None)
     differs = 0
     for i, r in recs.items():
-        ids = tok.apply_chat_template([{"role": "user", "content": r["conversations"][0]["value"]}],
-                                      add_generation_prompt=True, tokenize=True)
-        o = eng.generate_batch([ids], 6, SamplingParams(temperature=1.0), method="vanilla", seed=7 + i,
+        o = eng.generate_batch([prompt_ids(tok, r)], 6, SamplingParams(temperature=1.0), method="vanilla", seed=7 + i,
                                eos_token_ids=[1])[0]
         assert r["conversations"][1]["value"] == tok.decode([t for t in o.token_ids if t != 1])
         differs += r["conversations"][1]["value"] != greedy_answer(eng, tok, r)[0]
@@ -606,6 +607,17 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
     for c, (_, ids, mask, f, _) in got.items():
         assert_shard_holds_the_records_answer(tok, recs[c], ids, mask)
         torch.testing.assert_close(f, features_for(model, [ids])[0], atol=2e-3, rtol=2e-3)
+    # --sample-round 1: the same prompts (the split is seed's), a new random stream
+    again = tmp_path / "round1.jsonl"
+    regenerate(replace(cfg, out=str(again), features_out="", sample_round=1))
+    recs1 = {json.loads(x)["id"]: json.loads(x) for x in again.read_text().splitlines()}
+    assert sorted(recs1) == sorted(recs)
+    for i, r in recs1.items():
+        assert r["conversations"][0] == recs[i]["conversations"][0]
+        o = eng.generate_batch([prompt_ids(tok, r)], 6, SamplingParams(temperature=1.0), method="vanilla",
+                               seed=7 + i + 1_000_003, eos_token_ids=[1])[0]
+        assert r["conversations"][1]["value"] == tok.decode([t for t in o.token_ids if t != 1])
+    assert sum(recs1[i]["conversations"][1] != recs[i]["conversations"][1] for i in recs) >= 3
     with pytest.raises(ValueError, match="temperature"):
         regenerate(replace(cfg, temperature=-1.0))
 

@@ -30,7 +30,8 @@ learns the fp32 target's own style. Features are stored in fp16 either way.
 ``temperature`` > 0 samples the answers instead (seeded per batch): new contexts in the target's own
 style for prompts whose greedy answers a head has already trained on. Training never reads the
 sampled token as a label (the soft label is the target's full distribution at each position), so
-sampled text is as valid as greedy text; it is what the head meets at temperature > 0.
+sampled text is as valid as greedy text; it is what the head meets at temperature > 0. ``sample_round``
+shifts the seeds (not the split, which ``seed`` also sets), so the same prompts get new answers.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class RegenerateConfig:
     prompts: str = "split"  # or "dropped": opening turns of the records the conversation filter drops
     aux_layers: str = ""  # with features_out: also these layers' hidden states (EAGLE-3 fusion), no extract pass
     temperature: float = 0.0  # 0: greedy answers; > 0: sampled (more contexts per prompt; see the docstring)
+    sample_round: int = 0  # > 0: another random stream, for a new sampled set on prompts already answered
 
 
 def _done_ids(path: Path) -> set[int]:
@@ -204,7 +206,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
             batch = todo[b: b + cfg.batch_size]
             t0 = time.perf_counter()
             outs = eng.generate_batch([p[2] for p in batch], cfg.max_new_tokens, sampling, method="vanilla",
-                                      seed=cfg.seed + batch[0][0], eos_token_ids=stop,
+                                      seed=cfg.seed + batch[0][0] + 1_000_003 * cfg.sample_round, eos_token_ids=stop,
                                       return_features=feat_dir is not None)
             t_gen += time.perf_counter() - t0
             if feat_dir is not None:  # before the JSONL lines: see the module docstring
