@@ -438,6 +438,16 @@ def prompt_ids(tok, record: dict) -> list[int]:
     return tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
 
 
+def sampled_answer(eng, tok, record: dict, seed: int, max_new_tokens: int = 6) -> str:
+    """The engine's T = 1 sample (vanilla, this seed) of a regenerated record's first user turn; EOS
+    (id 1) ends it and is not part of its text."""
+    from eaglespec.verify import SamplingParams
+
+    out = eng.generate_batch([prompt_ids(tok, record)], max_new_tokens, SamplingParams(temperature=1.0),
+                             method="vanilla", seed=seed, eos_token_ids=[1])[0]
+    return tok.decode([t for t in out.token_ids if t != 1])
+
+
 def greedy_answer(eng, tok, record: dict, max_new_tokens: int = 6) -> tuple[str, str]:
     """The engine's greedy answer to a regenerated record's first user turn: (text, finish reason);
     EOS (id 1) ends the answer and is not part of its text."""
@@ -582,7 +592,6 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
     from eaglespec.models import load_target
     from eaglespec.train.extract import features_for
     from eaglespec.train.regenerate import RegenerateConfig, regenerate
-    from eaglespec.verify import SamplingParams
 
     root = tiny_features
     out, feats = tmp_path / "sampled.jsonl", tmp_path / "feats"
@@ -597,9 +606,7 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
     eng = Engine(model, None)
     differs = 0
     for i, r in recs.items():
-        o = eng.generate_batch([prompt_ids(tok, r)], 6, SamplingParams(temperature=1.0), method="vanilla", seed=7 + i,
-                               eos_token_ids=[1])[0]
-        assert r["conversations"][1]["value"] == tok.decode([t for t in o.token_ids if t != 1])
+        assert r["conversations"][1]["value"] == sampled_answer(eng, tok, r, seed=7 + i)
         differs += r["conversations"][1]["value"] != greedy_answer(eng, tok, r)[0]
     assert differs >= 3  # a random tiny model's samples part from its greedy answers
     got = regenerate_shards(feats)
@@ -614,9 +621,7 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
     assert sorted(recs1) == sorted(recs)
     for i, r in recs1.items():
         assert r["conversations"][0] == recs[i]["conversations"][0]
-        o = eng.generate_batch([prompt_ids(tok, r)], 6, SamplingParams(temperature=1.0), method="vanilla",
-                               seed=7 + i + 1_000_003, eos_token_ids=[1])[0]
-        assert r["conversations"][1]["value"] == tok.decode([t for t in o.token_ids if t != 1])
+        assert r["conversations"][1]["value"] == sampled_answer(eng, tok, r, seed=7 + i + 1_000_003)
     assert sum(recs1[i]["conversations"][1] != recs[i]["conversations"][1] for i in recs) >= 3
     with pytest.raises(ValueError, match="temperature"):
         regenerate(replace(cfg, temperature=-1.0))

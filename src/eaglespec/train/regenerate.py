@@ -54,6 +54,7 @@ from .extract import (DTYPES, aux_path, check_layers, pack_shard, parse_layers, 
 
 PROMPTS = ("split", "dropped")  # the training split's first user turns, or the records it leaves out
 DROPPED_ID0 = 100_000  # record ids of `dropped` prompts start here, apart from the split's conversation indices
+ROUND_SEED_STRIDE = 1_000_003  # per --sample-round; above every record id, so no round reuses another's seeds
 
 
 @dataclass
@@ -206,7 +207,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
             batch = todo[b: b + cfg.batch_size]
             t0 = time.perf_counter()
             outs = eng.generate_batch([p[2] for p in batch], cfg.max_new_tokens, sampling, method="vanilla",
-                                      seed=cfg.seed + batch[0][0] + 1_000_003 * cfg.sample_round, eos_token_ids=stop,
+                                      seed=cfg.seed + batch[0][0] + ROUND_SEED_STRIDE * cfg.sample_round, eos_token_ids=stop,
                                       return_features=feat_dir is not None)
             t_gen += time.perf_counter() - t0
             if feat_dir is not None:  # before the JSONL lines: see the module docstring
