@@ -46,6 +46,9 @@ def test_generate_json_eagle_equals_vanilla(tiny_dirs, gen):
     rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "20", "--json", "--method", "vanilla")
     assert rc == 0, err
     assert json.loads(out)["token_ids"] == e["token_ids"]
+    rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "20", "--json", "--draft-vocab", "full")
+    assert rc == 0, err
+    assert json.loads(out)["token_ids"] == e["token_ids"]
 
 
 def test_generate_streams_text(tiny_dirs, gen):

@@ -155,6 +155,26 @@ def test_target_tokens_outside_draft_vocabulary(tiny_pair):
         assert max(eag.stats.accept_lengths) > 1
 
 
+def test_full_draft_vocabulary_at_load(tiny_pair, tmp_path):
+    """A head trained on a reduced vocabulary, loaded with draft_vocab="full", proposes every target
+    token through the target's own LM head (no retraining), and stays lossless."""
+    model, head = tiny_pair
+    small = EagleDraftHead(model.config, draft_vocab=torch.arange(0, model.config.vocab_size, 3)).bind(model)
+    small.load_state_dict(head.state_dict(), strict=False)
+    small.save_pretrained(tmp_path / "h")
+    x = torch.randn(4, model.config.hidden_size)
+    full_logits = model.get_output_embeddings()(x)
+    ref = hf_greedy(model, PROMPTS[0], 40)
+    for choice, size in (("head", small.d2t.numel()), ("full", model.config.vocab_size)):
+        back = EagleDraftHead.from_pretrained(tmp_path / "h", model, draft_vocab=choice).eval()
+        assert back.draft_vocab_size == size
+        want = full_logits if choice == "full" else full_logits[:, small.d2t]
+        torch.testing.assert_close(back.logits(x), want)
+        assert Engine(model, back, tree="paper").generate(PROMPTS[0], 40).token_ids == ref
+    with pytest.raises(ValueError, match="draft_vocab"):
+        EagleDraftHead.from_pretrained(tmp_path / "h", model, draft_vocab="half")
+
+
 @pytest.mark.parametrize("tree", ["chain:1+lookup", "paper+lookup:4", "auto+lookup"])
 def test_prompt_lookup_grafts_stay_lossless(tree):
     """Prompt-lookup guesses grafted onto a weak head's tree: greedy output is still vanilla's, and

@@ -31,9 +31,20 @@ COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 m
                 "the small ops around them: the fastest configuration measured (BENCHMARKS.md section 7)")
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
               "model; int4 is the fast one on CPU)")
+DRAFT_VOCAB_HELP = ("head: the tokens the head was trained to propose (the shipped SmolLM2 head: the 16k most "
+                    "frequent); full: every target token, with no retraining (shipped head, MT-bench: tau 2.89 -> "
+                    "2.95, but each draft step's LM head costs 3x on CPU)")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve); append +lookup[:L] to graft up "
              "to L (default 8) prompt-lookup tokens onto every tree (batch size 1)")
+
+
+def _add_head(p: argparse.ArgumentParser) -> None:
+    """Which draft head, and which tokens it may propose: --head, --draft-vocab."""
+    from .head import DRAFT_VOCABS
+
+    p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
+    p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="head", help=DRAFT_VOCAB_HELP)
 
 
 def _add_target_kernels(p: argparse.ArgumentParser) -> None:
@@ -46,7 +57,7 @@ def _add_target_kernels(p: argparse.ArgumentParser) -> None:
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure this machine's cost curve (target forward vs tokens verified)")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
+    _add_head(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
@@ -59,7 +70,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with EAGLE (or vanilla) decoding")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
+    _add_head(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--system", default=None)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, no chat template")
@@ -137,7 +148,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="interleaved speed / acceptance benchmark against vanilla and peers")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
+    _add_head(p)
     p.add_argument("--dataset", default="mt_bench", help="comma list: mt_bench,humaneval,gsm8k,alpaca or FILE.jsonl")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--temperature", default="0", help="comma list, e.g. 0,1")
@@ -188,7 +199,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         head_path = a.head or default_head(a.model)
         if head_path is None:
             raise EaglespecError(f"no draft head shipped for {a.model}; pass --head PATH or --method vanilla")
-        head = EagleDraftHead.from_pretrained(head_path, model)
+        head = EagleDraftHead.from_pretrained(head_path, model, draft_vocab=a.draft_vocab)
     eng = Engine(model, head, tree=a.tree, draft_sampling=a.draft_sampling)
     if a.no_chat:
         ids = tok(a.prompt, add_special_tokens=True)["input_ids"]
@@ -255,7 +266,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
         return _compare_profiles(a.compare, a.out)
     model, _ = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed, compile=a.compile)
     head_path = a.head or default_head(a.model)
-    head = EagleDraftHead.from_pretrained(head_path, model) if head_path else None
+    head = EagleDraftHead.from_pretrained(head_path, model, draft_vocab=a.draft_vocab) if head_path else None
     eng = Engine(model, head, tree="auto")
     prof = costmodel.measure(eng, context=a.context, repeats=a.repeats)
     cached = costmodel.profile_path(eng)
@@ -322,8 +333,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise EaglespecError(f"no draft head for {a.model}: pass --head or drop the eagle methods")
     if a.max_new_tokens < 1:
         raise EaglespecError("--max-new-tokens must be >= 1")
-    cfg = BenchConfig(model=a.model, head=head, datasets=tuple(a.dataset.split(",")), limit=a.limit,
-                      temperatures=temps, max_new_tokens=a.max_new_tokens, methods=methods, tree=a.tree,
+    cfg = BenchConfig(model=a.model, head=head, draft_vocab=a.draft_vocab, datasets=tuple(a.dataset.split(",")),
+                      limit=a.limit, temperatures=temps, max_new_tokens=a.max_new_tokens, methods=methods, tree=a.tree,
                       chain=a.chain, seed=a.seed, out=a.out, first_turn_only=a.first_turn_only,
                       batch_sizes=batch_sizes, quantize=a.quantize, packed=a.packed, compile=a.compile)
     result = run_bench(cfg)

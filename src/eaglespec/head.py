@@ -37,6 +37,7 @@ from .tree import float_mask
 
 HEAD_FORMAT = "eaglespec-draft-head"
 HEAD_FORMAT_VERSION = 1
+DRAFT_VOCABS = ("head", "full")  # which tokens a loaded head may propose (see from_pretrained)
 # Paper Fig. 8 ablations. "feature+shifted_token" is EAGLE.
 INPUT_MODES = ("feature+shifted_token", "feature+unshifted_token", "feature", "token")
 
@@ -288,7 +289,12 @@ class EagleDraftHead(nn.Module):
         atomic_write_json(self.config_dict(), path / "config.json")
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, target: PreTrainedModel | None = None) -> "EagleDraftHead":
+    def from_pretrained(cls, path: str | os.PathLike, target: PreTrainedModel | None = None,
+                        draft_vocab: str = "head") -> "EagleDraftHead":
+        """draft_vocab: "head" = the draft vocabulary the head was trained with; "full" = every target
+        token (its LM head is the target's, so no retraining: higher acceptance, costlier drafting)."""
+        if draft_vocab not in DRAFT_VOCABS:
+            raise ValueError(f"draft_vocab must be one of {DRAFT_VOCABS}, got {draft_vocab!r}")
         path = Path(path)
         cfg = read_head_config(path)
         if target is not None:
@@ -324,6 +330,8 @@ class EagleDraftHead(nn.Module):
             if v.shape != own[k].shape:
                 raise CheckpointError(f"{weights}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
         head.load_state_dict(state, strict=False)
+        if draft_vocab == "full":
+            head.d2t = None
         if target is not None:
             head.bind(target)
         return head

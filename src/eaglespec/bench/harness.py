@@ -76,6 +76,7 @@ def _llama_params(**fields: Any) -> Iterator[None]:
 class BenchConfig:
     model: str = "smollm2-135m-instruct"
     head: str | None = None
+    draft_vocab: str = "head"  # "full": the head may propose every target token (EagleDraftHead.from_pretrained)
     datasets: tuple[str, ...] = ("mt_bench",)
     limit: int | None = None
     temperatures: tuple[float, ...] = (0.0,)
@@ -211,7 +212,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     model, tok = load_target(cfg.model, quantize=cfg.quantize, packed=cfg.packed, compile=cfg.compile)
     cfg.packed = getattr(model.config, "eaglespec_kernels", None) == "packed"  # what `None` (auto) chose
     cfg.packed_kernel = getattr(model.config, "eaglespec_packed_kernel", "")  # fp32 packed or int4: which kernel
-    head = EagleDraftHead.from_pretrained(cfg.head, model) if cfg.head else None
+    head = EagleDraftHead.from_pretrained(cfg.head, model, draft_vocab=cfg.draft_vocab) if cfg.head else None
     runner = Runner(model, tok, head, cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -390,8 +391,9 @@ def report_markdown(result: dict) -> str:
         kernel = cfg.get("packed_kernel") or ""
         packed = (f" (eaglespec's 4-bit kernel{', AVX2' if kernel.endswith('avx2') else ''})"
                   if kernel.startswith("skinny") else " (torch's int4 kernel)")
+    vocab = " (full draft vocabulary)" if cfg.get("draft_vocab") == "full" else ""
     lines = [f"# eaglespec benchmark", "",
-             f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
+             f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`{vocab}, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
              f"{cfg.get('quantize') if cfg.get('quantize') in ('int8', 'int4') else 'fp32'}{packed}{', torch.compile' if cfg.get('compile') else ''}",
              f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
