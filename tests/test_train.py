@@ -619,6 +619,7 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
     regenerate(replace(cfg, out=str(again), features_out="", sample_round=1))
     recs1 = {json.loads(x)["id"]: json.loads(x) for x in again.read_text().splitlines()}
     assert sorted(recs1) == sorted(recs)
+    assert {r["sample_round"] for r in recs.values()} == {0} and {r["sample_round"] for r in recs1.values()} == {1}
     for i, r in recs1.items():
         assert r["conversations"][0] == recs[i]["conversations"][0]
         assert r["conversations"][1]["value"] == sampled_answer(eng, tok, r, seed=7 + i + 1_000_003)

@@ -5,8 +5,8 @@ answers (instead of the dataset's, written by another model) matches what it wil
 a small gain from this for 7B targets ("Training data sensitivity"); a 135M target's answers differ
 much more from ChatGPT's, which is where it pays.
 
-Output: a JSONL of ``{"id", "temperature", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`` records
-(first user turn of each conversation, the target's greedy or sampled answer), readable by ``eaglespec extract
+Output: a JSONL of ``{"id", "temperature", "sample_round", "conversations": [{"from": "human", ...},
+{"from": "gpt", ...}]}`` records (first user turn of each conversation, the target's greedy or sampled answer), readable by ``eaglespec extract
 --data``. ``prompts="dropped"`` answers instead the records the conversation filter drops, up to
 their first user turn (6,253 of ShareGPT's records, nearly all later pieces of conversations
 ShareGPT V3 cut up, which open with an assistant turn): prompts no split holds, numbered from
@@ -218,7 +218,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
                 answer = tok.decode(row, skip_special_tokens=True)
                 turns = [{"from": SHAREGPT_FROM[m["role"]], "value": m["content"]} for m in first]
                 reply = {"from": SHAREGPT_FROM["assistant"], "value": answer, "truncated": o.finish_reason != "eos"}
-                f.write(json.dumps({"id": i, "temperature": cfg.temperature, "conversations": turns + [reply]}) + "\n")
+                f.write(json.dumps({"id": i, "temperature": cfg.temperature, "sample_round": cfg.sample_round,
+                                    "conversations": turns + [reply]}) + "\n")
             f.flush()
             bar.update(len(batch))
             bar.set_postfix(tok_per_s=f"{new_tokens / max(t_gen, 1e-9):.0f}")
