@@ -32,7 +32,7 @@ COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 m
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
               "model; int4 is the fast one on CPU)")
 DRAFT_VOCAB_HELP = ("head: the tokens the head was trained to propose (the shipped SmolLM2 head: the 16k most "
-                    "frequent); full: every target token, with no retraining (shipped head, MT-bench: tau 2.89 -> "
+                    "frequent); full: every target token, with no retraining (shipped head, MT-bench: tau 2.90 -> "
                     "2.95, but each draft step's LM head costs 3x on CPU)")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve); append +lookup[:L] to graft up "

@@ -6,8 +6,8 @@ a small gain from this for 7B targets ("Training data sensitivity"); a 135M targ
 much more from ChatGPT's, which is where it pays.
 
 Output: a JSONL of ``{"id", "temperature", "sample_round", "conversations": [{"from": "human", ...},
-{"from": "gpt", ...}]}`` records (first user turn of each conversation, the target's greedy or sampled answer), readable by ``eaglespec extract
---data``. ``prompts="dropped"`` answers instead the records the conversation filter drops, up to
+{"from": "gpt", ...}]}`` records (first user turn of each conversation, the target's greedy or sampled
+answer), readable by ``eaglespec extract --data``. ``prompts="dropped"`` answers instead the records the conversation filter drops, up to
 their first user turn (6,253 of ShareGPT's records, nearly all later pieces of conversations
 ShareGPT V3 cut up, which open with an assistant turn): prompts no split holds, numbered from
 ``DROPPED_ID0``. Written batch by batch with flush; a rerun skips the ids already in the file.
