@@ -7,10 +7,11 @@ much more from ChatGPT's, which is where it pays.
 
 Output: a JSONL of ``{"id", "temperature", "sample_round", "conversations": [{"from": "human", ...},
 {"from": "gpt", ...}]}`` records (first user turn of each conversation, the target's greedy or sampled
-answer), readable by ``eaglespec extract --data``. ``prompts="dropped"`` answers instead the records the conversation filter drops, up to
-their first user turn (6,253 of ShareGPT's records, nearly all later pieces of conversations
-ShareGPT V3 cut up, which open with an assistant turn): prompts no split holds, numbered from
-``DROPPED_ID0``. Written batch by batch with flush; a rerun skips the ids already in the file.
+answer), readable by ``eaglespec extract --data``. ``prompts="dropped"`` answers instead the records
+the conversation filter drops, up to their first user turn (6,253 of ShareGPT's records, nearly all
+later pieces of conversations ShareGPT V3 cut up, which open with an assistant turn): prompts no
+split holds, numbered from ``DROPPED_ID0``. Written batch by batch with flush; a rerun skips the ids
+already in the file.
 
 With ``features_out`` the features come out of the decoding itself (every token it fed to the target),
 so no extraction pass is needed: ``features_out/{train,heldout}/shard_<first id>.safetensors`` in
