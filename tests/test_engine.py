@@ -175,6 +175,68 @@ def test_full_draft_vocabulary_at_load(tiny_pair, tmp_path):
         EagleDraftHead.from_pretrained(tmp_path / "h", model, draft_vocab="half")
 
 
+def reduced_head(model, head, d2t: torch.Tensor, context: bool) -> EagleDraftHead:
+    """`head`'s weights with draft vocabulary `d2t` (and the context vocabulary if `context`)."""
+    small = EagleDraftHead(model.config, draft_vocab=d2t).bind(model)
+    small.load_state_dict(head.state_dict(), strict=False)
+    small.context_vocab = context
+    return small.eval()
+
+
+def test_context_vocabulary_adds_the_texts_tokens(tiny_pair):
+    """add_context appends LM-head rows for tokens outside d2t (once each), maps the new draft ids
+    to them, and reset_context forgets them; without context_vocab it does nothing."""
+    model, head = tiny_pair
+    V = model.config.vocab_size
+    small = reduced_head(model, head, torch.arange(0, V, 2), context=True)
+    x = torch.randn(3, model.config.hidden_size)
+    full = model.get_output_embeddings()(x)
+    small.add_context(torch.tensor([7, 4, 7, 9, 4]))  # 4 is in d2t already
+    assert small.logits(x).shape[-1] == V // 2 + 2
+    torch.testing.assert_close(small.logits(x)[:, V // 2:], full[:, [7, 9]])
+    assert small.to_target_ids(torch.tensor([1, V // 2, V // 2 + 1])).tolist() == [2, 7, 9]
+    q = torch.softmax(small.logits(x), -1)
+    qt = small.to_target_probs(q)
+    torch.testing.assert_close(qt[:, [7, 9]], q[:, V // 2:])
+    torch.testing.assert_close(qt.sum(-1), torch.ones(3))
+    small.add_context(torch.tensor([9, 7]))
+    assert small.logits(x).shape[-1] == V // 2 + 2
+    small.reset_context()
+    torch.testing.assert_close(small.logits(x), full[:, ::2])
+    small.context_vocab = False
+    small.add_context(torch.tensor([7]))
+    assert small.logits(x).shape[-1] == V // 2
+
+
+@pytest.mark.parametrize("tree", ["paper", "dynamic"])
+def test_context_vocabulary_proposes_what_the_text_used(tiny_pair, tree):
+    """A draft vocabulary lacking every token the target emits never gets a draft accepted; with
+    the context vocabulary, tokens join as the text uses them and drafts are accepted. Both equal
+    the target's greedy output; so does a ragged batch."""
+    model, head = tiny_pair
+    ids = PROMPTS[2]
+    ref = hf_greedy(model, ids, 40)
+    d2t = torch.tensor([t for t in range(model.config.vocab_size) if t not in set(ref)])
+    plain, ctx = (Engine(model, reduced_head(model, head, d2t, c), tree=tree).generate(ids, 40) for c in (False, True))
+    assert plain.token_ids == ctx.token_ids == ref
+    assert max(plain.stats.accept_lengths) == 1
+    assert max(ctx.stats.accept_lengths) > 1
+    if tree == "paper":
+        outs = Engine(model, reduced_head(model, head, d2t, True), tree=tree).generate_batch(PROMPTS, 30)
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 30) for p in PROMPTS]
+
+
+def test_sampling_law_with_context_vocabulary():
+    """Tokens join the draft vocabulary mid-generation (the prompt's first, then the sampled ones):
+    the output law is still the target's."""
+    V, model, head, sp = law_setup()
+    ids = [2, 5, 3]
+    law = exact_three_token_law(model, ids, sp).flatten()
+    small = reduced_head(model, head, torch.tensor([0, 2, 4, 6]), context=True)
+    eng = Engine(model, small, tree=[[0], [1], [0, 0], [0, 1], [1, 0]], draft_sampling="sample")
+    assert_law(lambda s: eng.generate(ids, 3, sampling=sp, seed=s).token_ids, law, V, 3000)
+
+
 @pytest.mark.parametrize("tree", ["chain:1+lookup", "paper+lookup:4", "auto+lookup"])
 def test_prompt_lookup_grafts_stay_lossless(tree):
     """Prompt-lookup guesses grafted onto a weak head's tree: greedy output is still vanilla's, and

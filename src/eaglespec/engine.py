@@ -304,6 +304,8 @@ class Engine:
             if feature_sink is not None:
                 feature_sink[r.index].append(feats[r.index, :r.n_ctx])
         head_cache = KVCache(cache.max_len) if eagle else None
+        if eagle:
+            self.head.reset_context()
 
         def emit(r: _Row, new: list[int]) -> tuple[int, list[int], str | None]:
             if r.emitted + len(new) >= max_new_tokens:  # an EOS past the budget does not count
@@ -401,6 +403,7 @@ class Engine:
         for b, r in enumerate(rows):
             feats[b, : counts[b]] = r.pending[0]
             toks[b, : counts[b]] = torch.tensor(r.pending[1], device=self.device)
+            self.head.add_context(toks[b, : counts[b]])
         pos = hl[:, None] + torch.arange(c, device=self.device)
         mask = None
         ragged = any(r.head_len != start for r in rows)  # rows of a batch (or what is left of one)

@@ -37,7 +37,7 @@ from .tree import float_mask
 
 HEAD_FORMAT = "eaglespec-draft-head"
 HEAD_FORMAT_VERSION = 1
-DRAFT_VOCABS = ("head", "full")  # which tokens a loaded head may propose (see from_pretrained)
+DRAFT_VOCABS = ("context", "head", "full")  # which tokens a loaded head may propose (see from_pretrained)
 # Paper Fig. 8 ablations. "feature+shifted_token" is EAGLE.
 INPUT_MODES = ("feature+shifted_token", "feature+unshifted_token", "feature", "token")
 
@@ -95,6 +95,11 @@ class EagleDraftHead(nn.Module):
         # Reduced draft vocabulary (FR-Spec / EAGLE-3 style): draft id -> target id. The head only
         # ever proposes these tokens, which keeps verification lossless and makes drafting cheaper.
         self.register_buffer("d2t", None if draft_vocab is None else draft_vocab.long().clone())
+        # With a reduced vocabulary, also propose the tokens of the text being generated (add_context)
+        self.context_vocab = False
+        self._ctx_ids: torch.Tensor | None = None  # target ids added from the context, after d2t's
+        self._w_ctx: torch.Tensor | None = None  # their LM-head rows
+        self._known: torch.Tensor | None = None  # (vocab,) bool: in d2t or added
         self.metadata: dict[str, Any] = {}
 
     # -- binding to the target ------------------------------------------------------------------
@@ -108,12 +113,20 @@ class EagleDraftHead(nn.Module):
         p = next(target.parameters())
         self.to(device=p.device, dtype=p.dtype)
         self.refresh_draft_weight()
+        self.reset_context()
         return self
+
+    def _lm_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """These target tokens' LM-head rows (a quantized LM head dequantizes only them)."""
+        lm = self.lm_head
+        if hasattr(lm, "rows"):
+            return lm.rows(ids)
+        return lm.weight.detach()[ids.to(lm.weight.device)]
 
     def refresh_draft_weight(self) -> None:
         """Cache the LM-head rows of the draft vocabulary (after binding or moving the target)."""
         if self.d2t is not None and self._frozen is not None:
-            self._w_draft = self.lm_head.weight.detach()[self.d2t.to(self.lm_head.weight.device)]
+            self._w_draft = self._lm_rows(self.d2t)
 
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
         """A new draft vocabulary (target ids). The weights do not depend on it: no retraining needed."""
@@ -121,6 +134,35 @@ class EagleDraftHead(nn.Module):
             raise RuntimeError("set the draft vocabulary before pack()")
         self.d2t = d2t.long().to(self.fc.weight.device)
         self.refresh_draft_weight()
+        self.reset_context()
+
+    # -- the context vocabulary -------------------------------------------------------------------
+    def reset_context(self) -> None:
+        """Forget the tokens `add_context` added (the engine calls it at every prefill)."""
+        self._ctx_ids = self._w_ctx = self._known = None
+
+    def add_context(self, tokens: torch.Tensor) -> None:
+        """With `context_vocab`, let the draft also propose these target tokens (the prompt's and the
+        generated text's). A text reuses its own rare words (names, terms from the question), which a
+        frequency-ranked vocabulary misses; they cost one LM-head row each. A draft is only a proposal,
+        so any vocabulary keeps verification lossless."""
+        if not self.context_vocab or self.d2t is None or tokens.numel() == 0:
+            return
+        if self._known is None:
+            self._known = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.d2t.device)
+            self._known[self.d2t] = True
+        t = tokens.to(self._known.device).flatten().unique()
+        new = t[~self._known[t]]
+        if new.numel() == 0:
+            return
+        self._known[new] = True
+        rows = self._lm_rows(new)
+        self._ctx_ids = new if self._ctx_ids is None else torch.cat([self._ctx_ids, new])
+        self._w_ctx = rows if self._w_ctx is None else torch.cat([self._w_ctx, rows])
+
+    def _draft_ids(self) -> torch.Tensor:
+        """Draft id -> target id: d2t, then the context's tokens."""
+        return self.d2t if self._ctx_ids is None else torch.cat([self.d2t, self._ctx_ids])
 
     @property
     def draft_vocab_size(self) -> int:
@@ -227,8 +269,12 @@ class EagleDraftHead(nn.Module):
         if self._w_draft is None or self._w_draft.device != features.device or self._w_draft.dtype != features.dtype:
             self.refresh_draft_weight()
         if self._packed_draft is not None:
-            return self._packed_draft(features)
-        return torch.nn.functional.linear(features, self._w_draft.to(features.dtype))
+            out = self._packed_draft(features)
+        else:
+            out = torch.nn.functional.linear(features, self._w_draft.to(features.dtype))
+        if self._w_ctx is not None:
+            out = torch.cat([out, torch.nn.functional.linear(features, self._w_ctx.to(features.dtype))], -1)
+        return out
 
     def pack(self, kind: str = "packed") -> "EagleDraftHead":
         """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
@@ -256,13 +302,14 @@ class EagleDraftHead(nn.Module):
         return self
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.d2t is None else self.d2t[draft_ids]
+        return draft_ids if self.d2t is None else self._draft_ids()[draft_ids]
 
     def to_target_probs(self, q: torch.Tensor) -> torch.Tensor:
         """(R, draft vocab) probabilities -> (R, target vocab), zero outside the draft vocabulary."""
         if self.d2t is None:
             return q
-        return torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device).index_copy_(1, self.d2t, q)
+        ids = self._draft_ids()
+        return torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device).index_copy_(1, ids, q)
 
     # -- save / load ----------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
@@ -291,8 +338,10 @@ class EagleDraftHead(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target: PreTrainedModel | None = None,
                         draft_vocab: str = "head") -> "EagleDraftHead":
-        """draft_vocab: "head" = the draft vocabulary the head was trained with; "full" = every target
-        token (its LM head is the target's, so no retraining: higher acceptance, costlier drafting)."""
+        """draft_vocab: "context" = the draft vocabulary the head was trained with, plus each
+        generation's prompt and text tokens (`add_context`); "head" = the trained one alone; "full" =
+        every target token (its LM head is the target's, so no retraining: higher acceptance,
+        costlier drafting)."""
         if draft_vocab not in DRAFT_VOCABS:
             raise ValueError(f"draft_vocab must be one of {DRAFT_VOCABS}, got {draft_vocab!r}")
         path = Path(path)
@@ -332,6 +381,7 @@ class EagleDraftHead(nn.Module):
         head.load_state_dict(state, strict=False)
         if draft_vocab == "full":
             head.d2t = None
+        head.context_vocab = draft_vocab == "context"
         if target is not None:
             head.bind(target)
         return head

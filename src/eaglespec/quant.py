@@ -35,6 +35,11 @@ class Int8Linear(nn.Module):
         """The dequantized weight (for code that slices it, e.g. a reduced draft vocabulary)."""
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of `weight`, dequantizing only them."""
+        ids = ids.to(self.scales.device)
+        return self.weight_int8[ids].to(self.scales.dtype) * self.scales[ids, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
@@ -91,16 +96,21 @@ class Int4Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight, exactly what the kernel multiplies by (up to bf16 rounding)."""
+        return self.rows(torch.arange(self.out_features))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of `weight`, dequantizing only them."""
         if self._q is None:
             raise RuntimeError("this Int4Linear was built with keep_weight=False")
-        q = self._q.view(self.out_features, -1, self.group_size).float()
+        ids = ids.to(self._q.device)
+        q = self._q[ids].view(ids.numel(), -1, self.group_size).float()
         if self.skinny:  # (N/32, K/g, 32) -> (N, K/g, 1)
-            s, m = (t.transpose(1, 2).reshape(self.out_features, -1, 1) for t in (self.scale, self.minimum))
+            s, m = (t.transpose(1, 2).reshape(self.out_features, -1, 1)[ids] for t in (self.scale, self.minimum))
             w = torch.addcmul(m, q, s)  # q * s + m, one rounding, as the kernel's fused multiply-add
         else:
-            sz = self.scales_and_zeros.float().transpose(0, 1)  # (N, K/g, 2)
+            sz = self.scales_and_zeros.float().transpose(0, 1)[ids]  # (n, K/g, 2)
             w = (q - 8) * sz[..., :1] + sz[..., 1:]
-        return w.view(self.out_features, self.in_features)
+        return w.view(ids.numel(), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
