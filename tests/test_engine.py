@@ -165,9 +165,10 @@ def test_full_draft_vocabulary_at_load(tiny_pair, tmp_path):
     x = torch.randn(4, model.config.hidden_size)
     full_logits = model.get_output_embeddings()(x)
     ref = hf_greedy(model, PROMPTS[0], 40)
-    for choice, size in (("head", small.d2t.numel()), ("full", model.config.vocab_size)):
+    for choice, size in (("context", small.d2t.numel()), ("head", small.d2t.numel()),
+                         ("full", model.config.vocab_size)):
         back = EagleDraftHead.from_pretrained(tmp_path / "h", model, draft_vocab=choice).eval()
-        assert back.draft_vocab_size == size
+        assert back.draft_vocab_size == size and back.context_vocab == (choice == "context")
         want = full_logits if choice == "full" else full_logits[:, small.d2t]
         torch.testing.assert_close(back.logits(x), want)
         assert Engine(model, back, tree="paper").generate(PROMPTS[0], 40).token_ids == ref

@@ -31,9 +31,10 @@ COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 m
                 "the small ops around them: the fastest configuration measured (BENCHMARKS.md section 7)")
 QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
               "model; int4 is the fast one on CPU)")
-DRAFT_VOCAB_HELP = ("head: the tokens the head was trained to propose (the shipped SmolLM2 head: the 16k most "
-                    "frequent); full: every target token, with no retraining (shipped head, MT-bench: tau 2.90 -> "
-                    "2.95, but each draft step's LM head costs 3x on CPU)")
+DRAFT_VOCAB_HELP = ("context (default): the tokens the head was trained to propose (the shipped SmolLM2 head: the "
+                    "16k most frequent) plus those of the prompt and the text so far; head: the trained ones only; "
+                    "full: every target token, with no retraining. Shipped head, MT-bench: tau 2.95 / 2.90 / 2.95, "
+                    "but full costs 3x per draft step's LM head on CPU")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve); append +lookup[:L] to graft up "
              "to L (default 8) prompt-lookup tokens onto every tree (batch size 1)")
@@ -44,7 +45,7 @@ def _add_head(p: argparse.ArgumentParser) -> None:
     from .head import DRAFT_VOCABS
 
     p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
-    p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="head", help=DRAFT_VOCAB_HELP)
+    p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="context", help=DRAFT_VOCAB_HELP)
 
 
 def _add_target_kernels(p: argparse.ArgumentParser) -> None:

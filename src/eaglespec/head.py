@@ -337,7 +337,7 @@ class EagleDraftHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target: PreTrainedModel | None = None,
-                        draft_vocab: str = "head") -> "EagleDraftHead":
+                        draft_vocab: str = "context") -> "EagleDraftHead":
         """draft_vocab: "context" = the draft vocabulary the head was trained with, plus each
         generation's prompt and text tokens (`add_context`); "head" = the trained one alone; "full" =
         every target token (its LM head is the target's, so no retraining: higher acceptance,

@@ -76,7 +76,7 @@ def _llama_params(**fields: Any) -> Iterator[None]:
 class BenchConfig:
     model: str = "smollm2-135m-instruct"
     head: str | None = None
-    draft_vocab: str = "head"  # "full": the head may propose every target token (EagleDraftHead.from_pretrained)
+    draft_vocab: str = "context"  # which tokens the head may propose (EagleDraftHead.from_pretrained)
     datasets: tuple[str, ...] = ("mt_bench",)
     limit: int | None = None
     temperatures: tuple[float, ...] = (0.0,)
@@ -391,7 +391,8 @@ def report_markdown(result: dict) -> str:
         kernel = cfg.get("packed_kernel") or ""
         packed = (f" (eaglespec's 4-bit kernel{', AVX2' if kernel.endswith('avx2') else ''})"
                   if kernel.startswith("skinny") else " (torch's int4 kernel)")
-    vocab = " (full draft vocabulary)" if cfg.get("draft_vocab") == "full" else ""
+    vocab = {"full": " (full draft vocabulary)", "head": " (the head's draft vocabulary, no context tokens)"}.get(
+        cfg.get("draft_vocab"), "")
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`{vocab}, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
