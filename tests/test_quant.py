@@ -19,6 +19,8 @@ def test_int8_linear_matches_dequantized_weight():
     torch.testing.assert_close(q(x), x @ q.weight.T + lin.bias, atol=1e-4, rtol=1e-4)
     assert (q.weight - lin.weight).abs().max() <= q.scales.max() / 2 + 1e-6  # rounding, per channel
     assert q.weight_int8.dtype == torch.int8
+    ids = torch.tensor([95, 3, 3, 40])  # a context draft vocabulary dequantizes only its rows
+    assert torch.equal(q.rows(ids), q.weight[ids])
 
 
 def test_quantized_target_eagle_equals_its_own_vanilla():
@@ -197,6 +199,8 @@ def test_int4_linear_is_its_dequantized_weight_and_row_independent(kernel, monke
         ref = x.bfloat16().float() @ q.weight.T + lin.bias
         torch.testing.assert_close(q(x), ref, atol=0.05, rtol=0.02)  # bf16 activations and output
     assert (q.weight - lin.weight).abs().max() < (lin.weight.abs().max() * 2 / 15)  # 4-bit rounding
+    ids = torch.tensor([95, 3, 3, 40])  # a context draft vocabulary dequantizes only its rows
+    assert torch.equal(q.rows(ids), q.weight[ids])
     y = q(x)
     for k in (1, 2, 5):  # a row's result never depends on the other rows
         assert torch.equal(q(x[:k]), y[:k])

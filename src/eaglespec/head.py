@@ -97,7 +97,7 @@ class EagleDraftHead(nn.Module):
         self.register_buffer("d2t", None if draft_vocab is None else draft_vocab.long().clone())
         # With a reduced vocabulary, also propose the tokens of the text being generated (add_context)
         self.context_vocab = False
-        self._ctx_ids: torch.Tensor | None = None  # target ids added from the context, after d2t's
+        self._ctx_ids: torch.Tensor | None = None  # d2t, then the target ids added from the context
         self._w_ctx: torch.Tensor | None = None  # their LM-head rows
         self._known: torch.Tensor | None = None  # (vocab,) bool: in d2t or added
         self.metadata: dict[str, Any] = {}
@@ -157,12 +157,12 @@ class EagleDraftHead(nn.Module):
             return
         self._known[new] = True
         rows = self._lm_rows(new)
-        self._ctx_ids = new if self._ctx_ids is None else torch.cat([self._ctx_ids, new])
+        self._ctx_ids = torch.cat([self.d2t if self._ctx_ids is None else self._ctx_ids, new])
         self._w_ctx = rows if self._w_ctx is None else torch.cat([self._w_ctx, rows])
 
     def _draft_ids(self) -> torch.Tensor:
         """Draft id -> target id: d2t, then the context's tokens."""
-        return self.d2t if self._ctx_ids is None else torch.cat([self.d2t, self._ctx_ids])
+        return self.d2t if self._ctx_ids is None else self._ctx_ids
 
     @property
     def draft_vocab_size(self) -> int:
