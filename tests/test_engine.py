@@ -136,6 +136,14 @@ def test_auto_tree_measures_again_when_the_cached_curve_is_wrong(tiny_pair, tmp_
     assert eng.generate(PROMPTS[1], 20).stats.measure_time_s == 0.0
 
 
+def reduced_head(model, head, d2t: torch.Tensor, context: bool) -> EagleDraftHead:
+    """`head`'s weights with draft vocabulary `d2t` (and the context vocabulary if `context`)."""
+    small = EagleDraftHead(model.config, draft_vocab=d2t).bind(model)
+    small.load_state_dict(head.state_dict(), strict=False)
+    small.context_vocab = context
+    return small.eval()
+
+
 def test_target_tokens_outside_draft_vocabulary(tiny_pair):
     """A reduced draft vocabulary that lacks the target's favourite tokens never proposes them,
     and the output is still exactly the target's."""
@@ -144,11 +152,7 @@ def test_target_tokens_outside_draft_vocabulary(tiny_pair):
     ref = hf_greedy(model, ids, 40)
     banned = sorted(set(ref))[: len(set(ref)) // 2]
     d2t = torch.tensor([t for t in range(model.config.vocab_size) if t not in banned])
-    from eaglespec.head import EagleDraftHead
-
-    small = EagleDraftHead(model.config, draft_vocab=d2t).bind(model)
-    small.load_state_dict({k: v for k, v in head.state_dict().items()}, strict=False)
-    small.eval()
+    small = reduced_head(model, head, d2t, context=False)
     for tree in ("paper", "dynamic"):
         eag = Engine(model, small, tree=tree).generate(ids, 40)
         assert eag.token_ids == ref
@@ -159,8 +163,7 @@ def test_full_draft_vocabulary_at_load(tiny_pair, tmp_path):
     """A head trained on a reduced vocabulary, loaded with draft_vocab="full", proposes every target
     token through the target's own LM head (no retraining), and stays lossless."""
     model, head = tiny_pair
-    small = EagleDraftHead(model.config, draft_vocab=torch.arange(0, model.config.vocab_size, 3)).bind(model)
-    small.load_state_dict(head.state_dict(), strict=False)
+    small = reduced_head(model, head, torch.arange(0, model.config.vocab_size, 3), context=False)
     small.save_pretrained(tmp_path / "h")
     x = torch.randn(4, model.config.hidden_size)
     full_logits = model.get_output_embeddings()(x)
@@ -174,14 +177,6 @@ def test_full_draft_vocabulary_at_load(tiny_pair, tmp_path):
         assert Engine(model, back, tree="paper").generate(PROMPTS[0], 40).token_ids == ref
     with pytest.raises(ValueError, match="draft_vocab"):
         EagleDraftHead.from_pretrained(tmp_path / "h", model, draft_vocab="half")
-
-
-def reduced_head(model, head, d2t: torch.Tensor, context: bool) -> EagleDraftHead:
-    """`head`'s weights with draft vocabulary `d2t` (and the context vocabulary if `context`)."""
-    small = EagleDraftHead(model.config, draft_vocab=d2t).bind(model)
-    small.load_state_dict(head.state_dict(), strict=False)
-    small.context_vocab = context
-    return small.eval()
 
 
 def test_context_vocabulary_adds_the_texts_tokens(tiny_pair):

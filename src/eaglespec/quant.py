@@ -32,7 +32,7 @@ class Int8Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight (for code that slices it, e.g. a reduced draft vocabulary)."""
+        """The dequantized weight (the forward's fallback where no fused kernel serves)."""
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
