@@ -262,9 +262,9 @@ def test_training_history_is_flat_oldest_first_and_unfolds_legacy_nesting():
 
 
 def test_revocab_refreshes_the_init_heads_draft_vocabulary(tiny_features, tmp_path):
-    """`train --init H --revocab`: H's draft vocabulary, same size, rebuilt from this run's data
-    (its most frequent assistant tokens, then H's own lowest ids; `draft_vocabulary`'s test covers
-    the fill); without --revocab H's is kept."""
+    """`train --init H --revocab`: H's draft vocabulary, same size (or --draft-vocab's), rebuilt from
+    this run's data (its most frequent assistant tokens, then H's own lowest ids; `draft_vocabulary`'s
+    test covers the fill); without --revocab H's is kept, and asking for another size is an error."""
     from eaglespec.cli import _config_from, build_parser
     from eaglespec.head import EagleDraftHead
     from eaglespec.models import load_target
@@ -296,6 +296,18 @@ def test_revocab_refreshes_the_init_heads_draft_vocabulary(tiny_features, tmp_pa
     EagleDraftHead(model.config).bind(model).save_pretrained(tmp_path / "full")
     with pytest.raises(EaglespecError, match="full vocabulary"):
         train(TrainConfig(out=str(tmp_path / "c"), init=str(tmp_path / "full"), revocab=True, **common))
+    # another size: --draft-vocab N with --revocab rebuilds at N (also for a full-vocabulary head);
+    # without --revocab it is an error, not silently ignored
+    n = len(seen) + 1  # room for every token of the data and EOS, and not H's 96
+    train(TrainConfig(out=str(tmp_path / "d"), init=str(tmp_path / "h"), revocab=True, draft_vocab=n, **common))
+    train(TrainConfig(out=str(tmp_path / "e"), init=str(tmp_path / "full"), revocab=True, draft_vocab=n, **common))
+    for run in "de":
+        d2t = EagleDraftHead.from_pretrained(tmp_path / run / "head", model).d2t.tolist()
+        assert len(d2t) == n and eos in d2t and seen <= set(d2t)
+    with pytest.raises(EaglespecError, match="add --revocab"):
+        train(TrainConfig(out=str(tmp_path / "f"), init=str(tmp_path / "h"), draft_vocab=n, **common))
+    with pytest.raises(EaglespecError, match="draft_vocab must be"):
+        TrainConfig(features="f", out="o", draft_vocab=-2).validate()
 
 
 def test_growing_a_head_keeps_its_predictions_and_trains_the_new_layer(tiny_features, tmp_path):

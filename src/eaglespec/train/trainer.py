@@ -48,7 +48,7 @@ class TrainConfig:
     reg_weight: float = 1.0  # SmoothL1 feature regression (0 = CE only, as EAGLE-3 trains; the paper uses 1)
     grad_clip: float = 0.5
     weight_decay: float = 0.0
-    draft_vocab: int = 8192  # 0 = the full target vocabulary
+    draft_vocab: int = -1  # tokens the head may propose: 0 = all; -1 = the --init head's own, else 8192
     eval_conversations: int = 16
     eval_steps: int = 5
     save_every: int = 50
@@ -62,14 +62,15 @@ class TrainConfig:
     unroll_fraction: float = 0.25  # share of anchors whose chains train at steps >= 2
     layers: int = 0  # decoder layers of the head (0: the --init head's, else 1); more than --init's grows it
     aux_layers: str = ""  # EAGLE-3 feature fusion: target layers fed to the head too, e.g. "3,15,27" ("": --init's)
-    revocab: bool = False  # with init: rebuild its draft vocabulary (same size) from this run's data first
+    revocab: bool = False  # with init: rebuild its draft vocabulary (its size, or --draft-vocab's) from this run's data
 
     def validate(self) -> None:
         checks = [("epochs", self.epochs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
                   ("batch_tokens", self.batch_tokens >= 1, ">= 1"), ("noise", self.noise >= 0, ">= 0"),
                   ("ce_weight", self.ce_weight >= 0, ">= 0"), ("reg_weight", self.reg_weight >= 0, ">= 0"),
                   ("unroll", self.unroll >= 1, ">= 1"), ("unroll_decay", self.unroll_decay > 0, "> 0"),
-                  ("unroll_fraction", 0 < self.unroll_fraction <= 1, "in (0, 1]"), ("layers", self.layers >= 0, ">= 0")]
+                  ("unroll_fraction", 0 < self.unroll_fraction <= 1, "in (0, 1]"), ("layers", self.layers >= 0, ">= 0"),
+                  ("draft_vocab", self.draft_vocab >= -1, ">= -1 (-1: the --init head's, 0: all tokens)")]
         for name, ok, want in checks:
             if not ok:
                 raise EaglespecError(f"{name} must be {want}, got {getattr(self, name)}")
@@ -341,15 +342,21 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
             head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
             head.grow(max(cfg.layers, head.num_layers))  # new layers start as the identity
             head.add_aux_layers(aux_layers)  # a new fusion starts at zero
+            size = 0 if head.d2t is None else head.d2t.numel()
+            want = size if cfg.draft_vocab < 0 else cfg.draft_vocab
             if cfg.revocab:  # the weights do not depend on the vocabulary
-                if head.d2t is None:
-                    raise EaglespecError(f"{cfg.init} drafts over the full vocabulary: there is no draft "
-                                         "vocabulary to rebuild")
-                head.set_draft_vocab(draft_vocabulary(train_set.token_counts, head.d2t.numel(),
-                                                      eos_ids(tok, target), fill=head.d2t.tolist()))
+                d2t = draft_vocabulary(train_set.token_counts, want, eos_ids(tok, target),
+                                       fill=None if head.d2t is None else head.d2t.tolist())
+                if d2t is None:
+                    raise EaglespecError(f"{cfg.init}: a draft vocabulary of {want or 'all'} tokens is the full "
+                                         "vocabulary: there is no draft vocabulary to rebuild (give --draft-vocab N)")
+                head.set_draft_vocab(d2t)
+            elif want != size:
+                raise EaglespecError(f"--draft-vocab {want}: {cfg.init} drafts over {size or 'all'} tokens; add "
+                                     "--revocab to rebuild its vocabulary at that size from this run's data")
         else:
             always = eos_ids(tok, target)
-            d2t = draft_vocabulary(train_set.token_counts, cfg.draft_vocab, always)
+            d2t = draft_vocabulary(train_set.token_counts, 8192 if cfg.draft_vocab < 0 else cfg.draft_vocab, always)
             head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t,
                                   num_layers=max(1, cfg.layers), aux_layers=aux_layers).bind(target)
         state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
