@@ -45,6 +45,8 @@ def test_bench_end_to_end(tiny_dirs, tmp_path, capsys):
     b0 = batch[(str(qfile), 0.0)]
     assert b0["batch_size"] == 2 and b0["batches"] == 1 and b0["greedy_equal"] is True and b0["tau"] > 1
     assert b0["speedup"] > 0 and batch[(str(qfile), 1.0)]["greedy_equal"] is None
+    assert 0 < b0["eagle_occupancy"] <= 1 and b0["eagle_ms_per_round"] > 0
+    assert abs(sum(b0["eagle_time_split"].values()) - 1) < 1e-9 and b0["eagle_time_split"]["verify"] > 0
     assert "## batch sizes" in report
 
 
@@ -90,3 +92,20 @@ def test_report_names_the_kernels_the_target_ran_on():
     for extra, label in cases:
         md = report_markdown({"config": {**base, **extra}, "machine": mach, "summary": [], "skipped": {}})
         assert label in md, (extra, md.splitlines()[2])
+
+
+def test_batch_summary_counts_rounds_and_empty_slots():
+    """A batch of 2 runs 4 rounds while one row finishes after 2: 6 of 8 row slots decoded."""
+    from eaglespec.bench.harness import summarize_batches
+
+    common = {"dataset": "d", "temperature": 0.0, "batch_size": 2, "batch": 0, "rows": 2}
+    recs = [{**common, "method": "vanilla", "new_tokens": 8, "time_s": 0.4, "rounds": 4, "row_rounds": 8,
+             "accepted": 8, "draft_time_s": 0.0, "verify_time_s": 0.3},
+            {**common, "method": "eagle", "new_tokens": 8, "time_s": 0.2, "rounds": 4, "row_rounds": 6,
+             "accepted": 9, "draft_time_s": 0.05, "verify_time_s": 0.1}]
+    (row,) = summarize_batches(recs)
+    assert row["vanilla_occupancy"] == 1.0 and row["eagle_occupancy"] == 0.75
+    assert row["vanilla_ms_per_round"] == 100.0 and row["eagle_ms_per_round"] == 50.0
+    assert row["speedup"] == 2.0 and row["tau"] == 1.5
+    split = row["eagle_time_split"]
+    assert (split["draft"], split["verify"]) == (0.25, 0.5) and abs(split["other"] - 0.25) < 1e-12

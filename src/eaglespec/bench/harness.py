@@ -159,10 +159,13 @@ class Runner:
         outs = eng.generate_batch(prompts, self.cfg.max_new_tokens, sp, "vanilla" if method == "vanilla" else "eagle",
                                   seed, self.eos)
         dt = time.perf_counter() - t0
+        # rows share every round while they live, so the longest-lived row's times are the batch's
         return {"token_ids": [o.token_ids for o in outs], "new_tokens": sum(o.stats.new_tokens for o in outs),
                 "time_s": dt, "rounds": max(o.stats.rounds for o in outs),
                 "accepted": sum(sum(o.stats.accept_lengths) for o in outs),
-                "row_rounds": sum(o.stats.rounds for o in outs)}
+                "row_rounds": sum(o.stats.rounds for o in outs), "rows": len(outs),
+                "draft_time_s": max(o.stats.draft_time_s for o in outs),
+                "verify_time_s": max(o.stats.verify_time_s for o in outs)}
 
     def run(self, method: str, ids: list[int], sp: SamplingParams, seed: int) -> dict[str, Any]:
         n = self.cfg.max_new_tokens
@@ -301,17 +304,24 @@ def summarize_batches(recs: list[dict]) -> list[dict]:
     rows = []
     for key in sorted({(r["dataset"], r["temperature"], r["batch_size"]) for r in recs}):
         rs = [r for r in recs if (r["dataset"], r["temperature"], r["batch_size"]) == key]
-        tps = {}
+        row = {"dataset": key[0], "temperature": key[1], "batch_size": key[2]}
         for m in ("vanilla", "eagle"):
             mr = [r for r in rs if r["method"] == m]
-            t = sum(r["time_s"] for r in mr)
-            tps[m] = sum(r["new_tokens"] for r in mr) / t if t else None
+            t, rounds = sum(r["time_s"] for r in mr), sum(r["rounds"] for r in mr)
+            row[f"{m}_tokens_per_s"] = sum(r["new_tokens"] for r in mr) / t if t else None
+            row[f"{m}_ms_per_round"] = 1e3 * t / rounds if rounds else None
+            # occupancy: the share of the batch's row slots still decoding; a batch runs until its
+            # slowest row is done, so rows that finish early leave the rounds after them part-empty
+            slots = sum(r["rounds"] * r.get("rows", key[2]) for r in mr)
+            row[f"{m}_occupancy"] = sum(r["row_rounds"] for r in mr) / slots if slots else None
+            if mr and "draft_time_s" in mr[0] and t:
+                dt, vt = sum(r["draft_time_s"] for r in mr), sum(r["verify_time_s"] for r in mr)
+                row[f"{m}_time_split"] = {"draft": dt / t, "verify": vt / t, "other": 1 - (dt + vt) / t}
         er = [r for r in rs if r["method"] == "eagle"]
         rr = sum(r["row_rounds"] for r in er)
         eq = [r["equal_to_vanilla"] for r in er if "equal_to_vanilla" in r]
-        rows.append({"dataset": key[0], "temperature": key[1], "batch_size": key[2], "batches": len(er),
-                     "vanilla_tokens_per_s": tps["vanilla"], "eagle_tokens_per_s": tps["eagle"],
-                     "speedup": tps["eagle"] / tps["vanilla"] if tps["vanilla"] and tps["eagle"] else None,
+        v, e = row["vanilla_tokens_per_s"], row["eagle_tokens_per_s"]
+        rows.append({**row, "batches": len(er), "speedup": e / v if v and e else None,
                      "tau": sum(r["accepted"] for r in er) / rr if rr else None,
                      "greedy_equal": all(eq) if eq else None})
     return rows
@@ -416,13 +426,18 @@ def report_markdown(result: dict) -> str:
         lines.append("")
     if result.get("batch_summary"):
         lines += [f"## batch sizes (eagle tree `{result.get('batch_tree')}`)", "",
-                  "| dataset | T | batch size | batches | vanilla tok/s | eagle tok/s | speedup | tau | greedy = vanilla |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| dataset | T | batch size | batches | vanilla tok/s | eagle tok/s | speedup | tau | ms/round "
+                  "(vanilla / eagle) | occupancy (vanilla / eagle) | eagle draft / verify / other | greedy = vanilla |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["batch_summary"]:
             eq = {True: "yes", False: "**NO**", None: "n/a"}[r["greedy_equal"]]
+            split = r.get("eagle_time_split")
+            split_s = "/".join(_f(split[k], pct=True) for k in ("draft", "verify", "other")) if split else "n/a"
             lines.append(f"| {r['dataset']} | {r['temperature']} | {r['batch_size']} | {r['batches']} | "
                          f"{_f(r['vanilla_tokens_per_s'], 1)} | {_f(r['eagle_tokens_per_s'], 1)} | {_f(r['speedup'], unit='x')} | "
-                         f"{_f(r['tau'])} | {eq} |")
+                         f"{_f(r['tau'])} | {_f(r.get('vanilla_ms_per_round'), 1)} / {_f(r.get('eagle_ms_per_round'), 1)} | "
+                         f"{_f(r.get('vanilla_occupancy'), pct=True)} / {_f(r.get('eagle_occupancy'), pct=True)} | "
+                         f"{split_s} | {eq} |")
         lines.append("")
     for r in result["summary"]:
         if r.get("measure_time_s"):
