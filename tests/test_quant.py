@@ -95,6 +95,64 @@ def test_skinny_q4_kernel_is_its_dequantized_weight_at_every_row_count(kernel_is
             assert torch.equal(q(x[:k]), y[:k])
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_bf16_kernel_is_the_fp32_kernel_on_the_rounded_weight_bitwise(bias, kernel_isa):
+    """Widening bf16 to fp32 is exact, so the bf16 kernel must give the fp32 kernel's very sums on
+    the rounded weight, at every row count (hence row by row too: a tree verifies like single steps)."""
+    from eaglespec import kernels
+    from eaglespec.quant import Bf16Linear
+
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(77, 96, bias=bias)
+    q = Bf16Linear(lin)
+    rounded = lin.weight.detach().to(torch.bfloat16).float()
+    assert not torch.equal(rounded, lin.weight) and torch.equal(q.weight, rounded)
+    assert q.packed.dtype == torch.bfloat16 and q.packed.numel() == lin.weight.numel()
+    ref = kernels.pack_weight(rounded)
+    b = None if lin.bias is None else lin.bias.detach()
+    x = torch.randn(40, 77)
+    with torch.no_grad():
+        for m in [1, 2, 3, 4, 11, 12, 13, 25, 40]:
+            assert torch.equal(q(x[:m]), kernels.linear(x[:m], ref, b))
+        torch.testing.assert_close(q(x), torch.nn.functional.linear(x, rounded, b), atol=1e-4, rtol=1e-4)
+        assert torch.equal(q(x.view(5, 8, 77)).view(40, 96), q(x))
+    ids = torch.tensor([95, 3, 3, 40])  # a context draft vocabulary reads only its rows
+    assert torch.equal(q.rows(ids), rounded[ids])
+
+
+def test_bf16_rejects_layers_it_cannot_block():
+    from eaglespec.errors import EaglespecError
+    from eaglespec.quant import Bf16Linear
+
+    with pytest.raises(EaglespecError, match="divisible by 32"):
+        Bf16Linear(torch.nn.Linear(64, 40))
+
+
+@needs_skinny
+@pytest.mark.parametrize("tree", ["paper", "dynamic:4,3,10"])
+def test_bf16_target_eagle_equals_its_own_vanilla(tree):
+    from eaglespec.quant import Bf16Linear
+
+    model = tiny_target("llama", seed=6)
+    head = good_head(model)
+    quantize_weights(model, 16)
+    assert model.config.eaglespec_quantization == "bf16" and model.config.eaglespec_packed_kernel.startswith("skinny")
+    eng = Engine(model, head, tree=tree)  # packs the head in bf16 too
+    assert type(head.fc) is Bf16Linear and isinstance(model.lm_head, Bf16Linear)
+    assert any(type(m).__name__ == "FusedLinear" for m in model.modules())  # q/k/v, gate/up as one call each
+    accepted = []
+    for ids in PROMPTS:
+        ref = eng.generate(ids, 40, method="vanilla").token_ids
+        assert ref == hf_greedy(model, ids, 40)
+        out = eng.generate(ids, 40)
+        assert out.token_ids == ref
+        accepted += out.stats.accept_lengths
+    assert max(accepted) > 1
+    if tree == "paper":
+        assert [r.token_ids for r in eng.generate_batch(PROMPTS[:2], 40)] == \
+            [r.token_ids for r in eng.generate_batch(PROMPTS[:2], 40, method="vanilla")]
+
+
 def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
     from eaglespec import kernels
 
@@ -359,6 +417,7 @@ def test_compiled_target_greedy_equals_its_vanilla():
 
 def test_load_target_packs_by_default_exactly_where_the_skinny_kernel_runs(tiny_dirs, monkeypatch):
     from eaglespec import kernels
+    from eaglespec.errors import EaglespecError
     from eaglespec.models import load_target
     from eaglespec.quant import PackedLinear
 
@@ -369,12 +428,17 @@ def test_load_target_packs_by_default_exactly_where_the_skinny_kernel_runs(tiny_
     assert packed() == kernels.available()
     assert not packed(packed=False)
     assert not packed(quantize="int8")  # a quantized target has its own kernels
+    if kernels.available():
+        model, _ = load_target(str(tiny_dirs / "model"), quantize="bf16")
+        assert type(model.lm_head).__name__ == "Bf16Linear" and model.config.eaglespec_quantization == "bf16"
     monkeypatch.setattr(kernels, "available", lambda: False)
     assert not packed()  # oneDNN's packing is slower for one token on some CPUs: only when asked
+    with pytest.raises(EaglespecError, match="bf16.*eaglespec's kernels"):
+        load_target(str(tiny_dirs / "model"), quantize="bf16")
 
 
 @needs_skinny
-@pytest.mark.parametrize("quantize", ["none", "int4"])
+@pytest.mark.parametrize("quantize", ["none", "int4", "bf16"])
 def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_dirs, quantize):
     """`--compile` with eaglespec's kernels (custom ops to inductor): EAGLE equals that model's own
     vanilla, and the kernels really ran inside the compiled graphs."""
@@ -382,20 +446,21 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
 
     from eaglespec import kernels
     from eaglespec.models import compile_decoder, load_target
-    from eaglespec.quant import Int4Linear, PackedLinear
+    from eaglespec.quant import Bf16Linear, Int4Linear, PackedLinear
 
     torch._dynamo.reset()
     try:
-        if quantize == "int4":  # the head binds the fp32 embedding / LM head, before quantizing
+        if quantize != "none":  # the head binds the fp32 embedding / LM head, before quantizing
             model, _ = load_target(str(tiny_dirs / "model"), packed=False)
             head = good_head(model)
-            quantize_weights(model, 4, fuse=False)  # what load_target(quantize="int4", compile=True) does
+            # what load_target(quantize=..., compile=True) does
+            quantize_weights(model, 4 if quantize == "int4" else 16, fuse=False)
             compile_decoder(model)
         else:
             model, _ = load_target(str(tiny_dirs / "model"), compile=True)
             head = good_head(model)
-        kind = Int4Linear if quantize == "int4" else PackedLinear
-        assert all(m.skinny for m in model.modules() if isinstance(m, kind)) and any(
+        kind = {"none": PackedLinear, "int4": Int4Linear, "bf16": Bf16Linear}[quantize]
+        assert all(getattr(m, "skinny", True) for m in model.modules() if isinstance(m, kind)) and any(
             isinstance(m, kind) for m in model.model.layers.modules())
         before = torch._dynamo.utils.counters["frames"]["ok"]
         calls = []

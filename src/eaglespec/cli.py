@@ -29,8 +29,8 @@ PACK_HELP = ("fp32 weights pre-packed (CPU) for eaglespec's AVX-512 / AVX2 kerne
 COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 minutes of compilation per "
                 "process on 2 cores). With eaglespec's kernels (--packed, --quantize int4) inductor fuses "
                 "the small ops around them: the fastest configuration measured (BENCHMARKS.md section 7)")
-QUANT_HELP = ("int8 | int4: weight-only quantized target (every method, vanilla included, runs the same quantized "
-              "model; int4 is the fast one on CPU)")
+QUANT_HELP = ("int8 | int4 | bf16: weight-only quantized target (every method, vanilla included, runs the same "
+              "quantized model; int4 and bf16 run on eaglespec's kernels)")
 DRAFT_VOCAB_HELP = ("context (default): the tokens the head was trained to propose (the shipped SmolLM2 head: the "
                     "16k most frequent) plus those of the prompt and the text so far; head: the trained ones only; "
                     "full: every target token, with no retraining. Shipped head, MT-bench: tau 2.99 with context "
@@ -50,7 +50,7 @@ def _add_head(p: argparse.ArgumentParser) -> None:
 
 def _add_target_kernels(p: argparse.ArgumentParser) -> None:
     """How the target runs (every method of a command uses the same): --quantize, --packed, --compile."""
-    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help=QUANT_HELP)
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "bf16"], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None, help=PACK_HELP)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
 

@@ -278,16 +278,20 @@ class EagleDraftHead(nn.Module):
 
     def pack(self, kind: str = "packed") -> "EagleDraftHead":
         """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
-        "packed" = fp32 pre-packed (`quant.PackedLinear`), "int4" = `quant.Int4Linear`.
-        A draft is any distribution we can sample from, so a quantized head stays lossless."""
-        from .quant import (Int4Linear, PackedLinear, int4_available, pack_linears, packed_linear_available,
-                            replace_linears)
+        "packed" = fp32 pre-packed (`quant.PackedLinear`), "int4" = `quant.Int4Linear`, "bf16" =
+        `quant.Bf16Linear`. A draft is any distribution we can sample from, so a quantized head stays lossless."""
+        from .kernels import available as kernels_available
+        from .quant import (Bf16Linear, Int4Linear, PackedLinear, int4_available, pack_linears,
+                            packed_linear_available, replace_linears)
 
         if next(self.parameters()).device.type != "cpu" or self._packed_draft is not None:
             return self
         if kind == "int4" and int4_available():
             make = partial(Int4Linear, keep_weight=False)
             replace_linears(self, make)
+        elif kind == "bf16" and kernels_available():
+            make = Bf16Linear
+            replace_linears(self, make, lambda m: type(m) is nn.Linear and m.weight.shape[0] % 32 == 0)
         elif packed_linear_available():
             make = PackedLinear
             pack_linears(self)

@@ -5,7 +5,7 @@ this project's 2-core Xeon torch's default fp32 kernel costs 1.6x a one-token st
 2x at 8, and its int4 kernel 2x at 8 (BENCHMARKS.md section 1), which caps the tree the cost model
 can afford. `skinny.c` streams each weight once whatever the row count (up to ~16 rows) and is no
 slower for one row: `linear` for fp32 weights (`quant.PackedLinear`), `linear_q4` for 4-bit ones
-(`quant.Int4Linear`).
+(`quant.Int4Linear`), `linear_bf16` for bf16 ones (`quant.Bf16Linear`).
 
 The shared library is compiled once per machine into ``$EAGLESPEC_CACHE/kernels`` (about half a
 second with gcc), named by a hash of the source and flags, written atomically. Where it cannot be
@@ -91,6 +91,8 @@ def _lib() -> ctypes.CDLL | None:
     q4.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     q4.restype = None
+    lib.skinny_linear_bf16.argtypes = fn.argtypes
+    lib.skinny_linear_bf16.restype = None
     return lib
 
 
@@ -164,6 +166,19 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum
     return _run(_lib().skinny_linear_q4, x, codes.shape[1], codes.shape[0] * BLOCK, (codes, scale, minimum), bias)
 
 
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> bf16 (N / 32, K, 32): `pack_weight`'s layout, rounded to bf16 (skinny_linear_bf16)."""
+    return pack_weight(weight.detach().to(torch.bfloat16))
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T + bias for a 2-D fp32 x (M, K), with `packed` = pack_bf16(w): fp32 sums of the
+    bf16-rounded weight, which the kernel widens to fp32 exactly."""
+    if torch.compiler.is_compiling():
+        return torch.ops.eaglespec.skinny_linear_bf16(x, packed, bias)
+    return _run(_lib().skinny_linear_bf16, x, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
+
+
 # The same kernels as torch custom ops, for `torch.compile` (models.compile_decoder): eager calls
 # go straight to ctypes above, since a custom op's dispatch costs more than the call itself.
 @torch.library.custom_op("eaglespec::skinny_linear", mutates_args=())
@@ -185,3 +200,13 @@ def _skinny_linear_q4_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 @_skinny_linear_q4_op.register_fake
 def _(x, codes, scale, minimum, bias):
     return x.new_empty(x.shape[0], codes.shape[0] * BLOCK)
+
+
+@torch.library.custom_op("eaglespec::skinny_linear_bf16", mutates_args=())
+def _skinny_linear_bf16_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return linear_bf16(x, packed, bias)
+
+
+@_skinny_linear_bf16_op.register_fake
+def _(x, packed, bias):
+    return x.new_empty(x.shape[0], packed.shape[0] * BLOCK)

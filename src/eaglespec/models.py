@@ -145,13 +145,14 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
                 compile: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model + tokenizer, ready for `Engine`. Greedy decoding settings of its generation_config
     (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
-    ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``packed=True``: fp32 linear layers with
+    ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``"bf16"``: weight-only bf16
+    (`eaglespec.quant.Bf16Linear`, eaglespec's kernels); ``packed=True``: fp32 linear layers with
     weights pre-packed for a CPU kernel that streams them once for a whole draft tree (`eaglespec.kernels`
     with AVX-512 or AVX2, else oneDNN; see `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where
     eaglespec's kernel runs (a plain fp32 CPU target), since it is as fast or faster at every size there;
     ``compile=True``: the decoder goes through ``torch.compile`` (see `compile_decoder`)."""
-    if quantize not in (None, "none", "int8", "int4"):
-        raise EaglespecError(f"quantize must be 'int8', 'int4' or none, got {quantize!r}")
+    if quantize not in (None, "none", "int8", "int4", "bf16"):
+        raise EaglespecError(f"quantize must be 'int8', 'int4', 'bf16' or none, got {quantize!r}")
     if attn_implementation == "exact" or (attn_implementation == "sdpa" and device == "cpu"):
         from .attention import GQA_NAME, register
 
@@ -161,6 +162,8 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         attn_implementation = exact if attn_implementation == "exact" else GQA_NAME
     if packed is None:
         packed = device == "cpu" and quantize in (None, "none") and dtype == torch.float32 and kernels.available()
+    if quantize == "bf16" and (device != "cpu" or not kernels.available()):
+        raise EaglespecError("quantize='bf16' needs eaglespec's kernels (device cpu, x86-64 with AVX-512 or AVX2)")
     if compile and (quantize == "int8" or ((packed or quantize == "int4") and not kernels.available())):
         # inductor cannot lower oneDNN pre-packed or torch's int4-packed weights; eaglespec's own
         # kernels are custom ops it calls as they are
@@ -173,12 +176,12 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     except OSError as e:
         raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
     model = model.to(device).eval()
-    if quantize in ("int8", "int4"):
+    if quantize in ("int8", "int4", "bf16"):
         from .quant import int4_available, quantize_weights
 
         if quantize == "int4" and (device != "cpu" or not int4_available()):
             raise EaglespecError("quantize='int4' needs torch's CPU int4 kernel (device cpu)")
-        quantize_weights(model, int(quantize[3:]), fuse=not compile)
+        quantize_weights(model, 16 if quantize == "bf16" else int(quantize[3:]), fuse=not compile)
     elif packed and device == "cpu":
         from .quant import pack_target
 

@@ -1,7 +1,8 @@
-"""Faster linear layers for a CPU target: weight-only int8 / int4 (gpt-fast's paths) and oneDNN pre-packing.
+"""Faster linear layers for a CPU target: weight-only int8 / int4 (gpt-fast's paths) and bf16, and fp32
+pre-packing.
 
 Decoding a small model on a CPU streams every weight once per forward; int8 weights stream a
-quarter of fp32's bytes, int4 an eighth. Activations stay in the model's dtype. A quantized target is its own
+quarter of fp32's bytes, int4 an eighth, bf16 half. Activations stay in the model's dtype. A quantized target is its own
 vanilla: EAGLE stays lossless with respect to the target as it runs, and the benchmark's vanilla
 uses the same quantized target, so speedup ratios stay honest.
 """
@@ -126,6 +127,39 @@ class Int4Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
+class Bf16Linear(nn.Module):
+    """y = x @ bf16(w).T + bias: weight-only bf16 (`kernels.linear_bf16`), fp32 activations and sums.
+
+    Half fp32's weight bytes per forward, and nothing to dequantize but a 16-bit shift. The kernel
+    is fp32's own, reading the rounded weight, so each output row depends on its own input row only
+    and a tree verifies to the numbers a one-token step gives, exactly as with fp32 weights.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        n, k = linear.weight.shape
+        if n % kernels.BLOCK:
+            raise EaglespecError(f"bf16 needs output sizes divisible by {kernels.BLOCK}; a linear layer has {n}")
+        self.in_features, self.out_features = k, n
+        self.register_buffer("packed", kernels.pack_bf16(linear.weight))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the bf16 weight, as fp32: (N/32, K, 32) -> (N, K)."""
+        w = self.packed.transpose(1, 2).reshape(self.out_features, self.in_features)
+        return w[ids.to(w.device)].float()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = kernels.linear_bf16(x2 if x2.dtype == torch.float32 else x2.float(), self.packed, self.bias)
+        return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*shape[:-1], self.out_features)
+
+
 class FusedLinear(nn.Module):
     """Several linear layers that read the same input, as one matmul (q/k/v, MLP gate/up).
 
@@ -188,17 +222,18 @@ def int4_available() -> bool:
 
 
 def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True, fuse: bool = True) -> nn.Module:
-    """Replace the decoder's linear layers (and the LM head) by `Int8Linear` or `Int4Linear`, in place.
+    """Replace the decoder's linear layers (and the LM head) by `Int8Linear`, `Int4Linear` or (bits=16)
+    `Bf16Linear`, in place.
 
     The input embedding stays as it is (a lookup reads one row, not the whole matrix), so a tied
     LM head gets its own quantized copy. ``fuse``: q/k/v and gate/up as one int4 matmul each (eager
     decoding; a model for `torch.compile` keeps them apart, since the fused parts share a cache
     by tensor identity that the compiler need not see).
     """
-    make = {8: Int8Linear, 4: Int4Linear}[bits]
+    make = {8: Int8Linear, 4: Int4Linear, 16: Bf16Linear}[bits]
     inner = partial(Int4Linear, keep_weight=False) if bits == 4 else make  # nothing reads decoder weights
     decoder = model.get_decoder()
-    if bits == 4 and fuse:
+    if bits in (4, 16) and fuse:
         fuse_projections(decoder, inner)
     replace_linears(decoder, inner, lambda lin: isinstance(lin, nn.Linear))
     if lm_head and isinstance(model.get_output_embeddings(), nn.Linear):
@@ -209,9 +244,9 @@ def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True, fuse
         from .attention import register
 
         model.set_attn_implementation(register())
-    elif bits == 4:
+    elif bits in (4, 16):
         model.config.eaglespec_packed_kernel = kernels.name()  # also keys the cost curve apart from torch's kernel
-    model.config.eaglespec_quantization = f"int{bits}"
+    model.config.eaglespec_quantization = "bf16" if bits == 16 else f"int{bits}"
     return model
 
 
