@@ -3,7 +3,7 @@
 # with STAGES="tau"). Run on an idle machine: other CPU load distorts every ratio.
 set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
-STAGES=${STAGES:-"profile ablation ablation-int4 compile main int4 int4-t1 batch tau"}
+STAGES=${STAGES:-"profile ablation ablation-int4 compile main int4 int4-t1 bf16 batch tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
 TREE=${TREE:-auto+lookup}  # the eagle row of the main table: the best tree of the ablation, plus prompt-lookup grafts
 TREE4=${TREE4:-auto+lookup}  # the same for the int4 target (its own ablation)
@@ -33,8 +33,10 @@ for stage in $STAGES; do
       eaglespec profile --packed --out "$OUT/profile-packed" | tee "$OUT/profile-packed.md"
       eaglespec profile --quantize int8 --out "$OUT/profile-int8" | tee "$OUT/profile-int8.md"
       eaglespec profile --quantize int4 --out "$OUT/profile-int4" | tee "$OUT/profile-int4.md"
+      eaglespec profile --quantize bf16 --out "$OUT/profile-bf16" | tee "$OUT/profile-bf16.md"
       eaglespec profile --compare fp32="$OUT/profile/cost_curve.json" packed="$OUT/profile-packed/cost_curve.json" \
-        int8="$OUT/profile-int8/cost_curve.json" int4="$OUT/profile-int4/cost_curve.json" --out "$OUT/profile-all" \
+        int8="$OUT/profile-int8/cost_curve.json" int4="$OUT/profile-int4/cost_curve.json" \
+        bf16="$OUT/profile-bf16/cost_curve.json" --out "$OUT/profile-all" \
         | tee "$OUT/profile-all.md" ;;
     ablation)  # which tree: paper vs chain vs dynamic vs auto, MT-bench first turns, T=0
       K=$(fp32_kernels)
@@ -60,6 +62,9 @@ for stage in $STAGES; do
     int4-t1)   # T = 1 on the int4 target: auto (a sampled dynamic tree) vs chain:1 (one sampled draft)
       eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 1 --tree auto \
         --methods vanilla,eagle,eagle@chain:1 --out "$OUT/int4-t1" ;;
+    bf16)      # weight-only bf16 (its own vanilla): half fp32's bytes, fp32 arithmetic; all four datasets, T=0
+      eaglespec bench --quantize bf16 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+        --temperature 0 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,llamacpp --out "$OUT/bf16" ;;
     int8)      # weight-only int8 (slower than fp32 on this CPU: not in the default stages)
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;
