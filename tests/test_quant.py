@@ -37,6 +37,22 @@ def test_quantized_target_eagle_equals_its_own_vanilla():
     assert max(out.stats.accept_lengths) > 1
 
 
+def eagle_equals_vanilla(eng: Engine, batch: bool, n: int = 40) -> None:
+    """Greedy EAGLE == the engine's vanilla == transformers' greedy on the same (quantized) target,
+    with drafts really accepted; with `batch`, also for two prompts decoded together."""
+    accepted = []
+    for ids in PROMPTS:
+        ref = eng.generate(ids, n, method="vanilla").token_ids
+        assert ref == hf_greedy(eng.model, ids, n)
+        out = eng.generate(ids, n)
+        assert out.token_ids == ref
+        accepted += out.stats.accept_lengths
+    assert max(accepted) > 1
+    if batch:
+        assert [r.token_ids for r in eng.generate_batch(PROMPTS[:2], n)] == \
+            [r.token_ids for r in eng.generate_batch(PROMPTS[:2], n, method="vanilla")]
+
+
 needs_skinny = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).available(),
                                   reason="the skinny kernel needs AVX-512F or AVX2 + FMA, and a C compiler")
 
@@ -140,17 +156,7 @@ def test_bf16_target_eagle_equals_its_own_vanilla(tree):
     eng = Engine(model, head, tree=tree)  # packs the head in bf16 too
     assert type(head.fc) is Bf16Linear and isinstance(model.lm_head, Bf16Linear)
     assert any(type(m).__name__ == "FusedLinear" for m in model.modules())  # q/k/v, gate/up as one call each
-    accepted = []
-    for ids in PROMPTS:
-        ref = eng.generate(ids, 40, method="vanilla").token_ids
-        assert ref == hf_greedy(model, ids, 40)
-        out = eng.generate(ids, 40)
-        assert out.token_ids == ref
-        accepted += out.stats.accept_lengths
-    assert max(accepted) > 1
-    if tree == "paper":
-        assert [r.token_ids for r in eng.generate_batch(PROMPTS[:2], 40)] == \
-            [r.token_ids for r in eng.generate_batch(PROMPTS[:2], 40, method="vanilla")]
+    eagle_equals_vanilla(eng, batch=tree == "paper")
 
 
 def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
@@ -369,18 +375,7 @@ def test_int4_target_eagle_equals_its_own_vanilla(tree, kernel, monkeypatch):
     eng = Engine(model, head, tree=tree)  # packs the head as int4 too
     assert head._packed_draft is None and type(head.fc).__name__ == "Int4Linear"
     assert {m.skinny for m in model.modules() if type(m).__name__ == "Int4Linear"} == {kernel == "skinny"}
-    accepted = []
-    for ids in PROMPTS:
-        ref = eng.generate(ids, 40, method="vanilla").token_ids
-        assert ref == hf_greedy(model, ids, 40)
-        out = eng.generate(ids, 40)
-        assert out.token_ids == ref
-        accepted += out.stats.accept_lengths
-    assert max(accepted) > 1
-    rows = eng.generate_batch(PROMPTS[:2], 40) if tree != "dynamic:4,3,10" else None
-    if rows is not None:
-        assert [r.token_ids for r in rows] == [eng.generate_batch(PROMPTS[:2], 40, method="vanilla")[i].token_ids
-                                               for i in range(2)]
+    eagle_equals_vanilla(eng, batch=tree != "dynamic:4,3,10")
 
 
 @needs_int4

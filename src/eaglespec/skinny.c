@@ -74,34 +74,46 @@ static inline void store(int mr, vec acc[][NV], float *y, long ldy, const float 
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[i][v] = vfma(b, w[v], acc[i][v]); \
     }
 
-static inline void block(int mr, const float *x, long K, const float *wp, float *y, long ldy, const float *bias) {
-    vec acc[MR][NV];
-    for (int i = 0; i < mr; i++)
-        for (int v = 0; v < NV; v++) acc[i][v] = vzero();
-#define STEPS(R)                                                                              \
+/* One kernel per weight type (SKINNY): NAME##_STEPS walks a block's k steps with WSTEPS, whose
+ * WLOAD(p) turns VW weights at p into a vector (fp32: a load; bf16: a widening load); the rest is
+ * shared, so every type sums a row in the same order. */
+#define SKINNY(NAME, WT)                                                                      \
+static inline void NAME##_block(int mr, const float *x, long K, const WT *wp, float *y, long ldy, \
+                                const float *bias) {                                          \
+    vec acc[MR][NV];                                                                          \
+    for (int i = 0; i < mr; i++)                                                              \
+        for (int v = 0; v < NV; v++) acc[i][v] = vzero();                                     \
+    CASES(NAME##_STEPS, MR)                                                                   \
+    store(mr, acc, y, ldy, bias);                                                             \
+}                                                                                             \
+void NAME(const float *x, long M, long K, const WT *wp, long N, const float *bias, float *y, int threads) { \
+    long blocks = N / NR;                                                                     \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                         \
+    for (long b = 0; b < blocks; b++) {                                                       \
+        for (long m0 = 0; m0 < M; m0 += MR) {                                                 \
+            int mr = (M - m0) < MR ? (int)(M - m0) : MR;                                      \
+            NAME##_block(mr, x + m0 * K, K, wp + b * K * NR, y + m0 * N + b * NR, N, bias ? bias + b * NR : 0); \
+        }                                                                                     \
+    }                                                                                         \
+}
+/* each k step of a block: prefetch its cache lines PFD steps ahead, load NV weight vectors, use them for R rows */
+#define WSTEPS(R, WT, WLOAD)                                                                  \
     for (long k = 0; k < K; k++) {                                                            \
-        _mm_prefetch((const char *)(wp + (k + PFD) * NR), _MM_HINT_T0);                       \
-        _mm_prefetch((const char *)(wp + (k + PFD) * NR + 16), _MM_HINT_T0);                  \
+        for (int c = 0; c < (int)(NR * sizeof(WT)); c += 64)                                  \
+            _mm_prefetch((const char *)(wp + (k + PFD) * NR) + c, _MM_HINT_T0);               \
         vec w[NV];                                                                            \
-        for (int v = 0; v < NV; v++) w[v] = vload(wp + k * NR + v * VW);                      \
+        for (int v = 0; v < NV; v++) w[v] = WLOAD(wp + k * NR + v * VW);                      \
         ROWS(R)                                                                               \
     }
-    CASES(STEPS, MR)
-    store(mr, acc, y, ldy, bias);
-}
 
 /* x: (M, K) row-major; wp: packed (N / 32, K, 32); bias: N floats or NULL; y: (M, N). N % 32 == 0. */
-void skinny_linear(const float *x, long M, long K, const float *wp, long N, const float *bias, float *y,
-                   int threads) {
-    long blocks = N / NR;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        for (long m0 = 0; m0 < M; m0 += MR) {
-            int mr = (M - m0) < MR ? (int)(M - m0) : MR;
-            block(mr, x + m0 * K, K, wp + b * K * NR, y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);
-        }
-    }
-}
+#define skinny_linear_STEPS(R) WSTEPS(R, float, vload)
+SKINNY(skinny_linear, float)
+
+/* The bf16 variant: wp is (N / 32, K, 32) bf16, fp32's layout at half the bytes. Each weight is
+ * widened exactly, so a row's sums are skinny_linear's on the bf16-rounded weight. */
+#define skinny_linear_bf16_STEPS(R) WSTEPS(R, unsigned short, BF16)
+SKINNY(skinny_linear_bf16, unsigned short)
 
 /* The 4-bit variant. qp: (N / 32, K, 16) bytes, byte j of step k holding column j in its low
  * nibble and column 16 + j in its high one; sp, mp: (N / 32, K / 32, 32) fp32 scale and minimum,
@@ -151,33 +163,3 @@ void skinny_linear_q4(const float *x, long M, long K, const unsigned char *qp, c
     }
 }
 
-/* The bf16 variant: wp is (N / 32, K, 32) bf16, fp32's layout at half the bytes. Each weight is
- * widened exactly, so a row's sums are skinny_linear's on the bf16-rounded weight, in the same
- * order for every row count. */
-static inline void block_bf16(int mr, const float *x, long K, const unsigned short *wp, float *y, long ldy,
-                              const float *bias) {
-    vec acc[MR][NV];
-    for (int i = 0; i < mr; i++)
-        for (int v = 0; v < NV; v++) acc[i][v] = vzero();
-#define STEPS_BF16(R)                                                                         \
-    for (long k = 0; k < K; k++) {                                                            \
-        _mm_prefetch((const char *)(wp + (k + PFD) * NR), _MM_HINT_T0);                       \
-        vec w[NV];                                                                            \
-        for (int v = 0; v < NV; v++) w[v] = BF16(wp + k * NR + v * VW);                       \
-        ROWS(R)                                                                               \
-    }
-    CASES(STEPS_BF16, MR)
-    store(mr, acc, y, ldy, bias);
-}
-
-void skinny_linear_bf16(const float *x, long M, long K, const unsigned short *wp, long N, const float *bias,
-                        float *y, int threads) {
-    long blocks = N / NR;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        for (long m0 = 0; m0 < M; m0 += MR) {
-            int mr = (M - m0) < MR ? (int)(M - m0) : MR;
-            block_bf16(mr, x + m0 * K, K, wp + b * K * NR, y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);
-        }
-    }
-}
