@@ -136,6 +136,21 @@ def test_skinny_bf16_kernel_is_the_fp32_kernel_on_the_rounded_weight_bitwise(bia
     assert torch.equal(q.rows(ids), rounded[ids])
 
 
+@needs_skinny
+def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
+    """A draft vocabulary of 50 tokens (not a multiple of 32) keeps a packed fp32 draft LM head."""
+    from eaglespec.quant import Bf16Linear, PackedLinear
+
+    model = tiny_target("llama", seed=6)
+    head = good_head(model)
+    head.set_draft_vocab(torch.arange(50))
+    quantize_weights(model, 16)
+    eng = Engine(model, head, tree="chain:3")
+    assert type(head._packed_draft) is PackedLinear and type(head.fc) is Bf16Linear
+    for ids in PROMPTS:
+        assert eng.generate(ids, 30).token_ids == eng.generate(ids, 30, method="vanilla").token_ids
+
+
 def test_bf16_rejects_layers_it_cannot_block():
     from eaglespec.errors import EaglespecError
     from eaglespec.quant import Bf16Linear

@@ -302,7 +302,8 @@ class EagleDraftHead(nn.Module):
                 self.refresh_draft_weight()
             lin = nn.Linear(self._w_draft.shape[1], self._w_draft.shape[0], bias=False)
             lin.weight = nn.Parameter(self._w_draft.float(), requires_grad=False)
-            self._packed_draft = make(lin)
+            # the bf16 kernel wants whole blocks of 32 rows; a draft vocabulary need not have them
+            self._packed_draft = (PackedLinear if make is Bf16Linear and lin.out_features % 32 else make)(lin)
         return self
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
