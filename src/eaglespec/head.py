@@ -280,7 +280,7 @@ class EagleDraftHead(nn.Module):
         """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
         "packed" = fp32 pre-packed (`quant.PackedLinear`), "int4" = `quant.Int4Linear`, "bf16" =
         `quant.Bf16Linear`. A draft is any distribution we can sample from, so a quantized head stays lossless."""
-        from .kernels import available as kernels_available
+        from .kernels import BLOCK, available as kernels_available
         from .quant import (Bf16Linear, Int4Linear, PackedLinear, int4_available, pack_linears,
                             packed_linear_available, replace_linears)
 
@@ -291,7 +291,7 @@ class EagleDraftHead(nn.Module):
             replace_linears(self, make)
         elif kind == "bf16" and kernels_available():
             make = Bf16Linear
-            replace_linears(self, make, lambda m: type(m) is nn.Linear and m.weight.shape[0] % 32 == 0)
+            replace_linears(self, make, lambda m: type(m) is nn.Linear and m.weight.shape[0] % BLOCK == 0)
         elif packed_linear_available():
             make = PackedLinear
             pack_linears(self)
@@ -302,8 +302,8 @@ class EagleDraftHead(nn.Module):
                 self.refresh_draft_weight()
             lin = nn.Linear(self._w_draft.shape[1], self._w_draft.shape[0], bias=False)
             lin.weight = nn.Parameter(self._w_draft.float(), requires_grad=False)
-            # the bf16 kernel wants whole blocks of 32 rows; a draft vocabulary need not have them
-            self._packed_draft = (PackedLinear if make is Bf16Linear and lin.out_features % 32 else make)(lin)
+            # the bf16 kernel wants whole blocks of rows; a draft vocabulary need not have them
+            self._packed_draft = (PackedLinear if make is Bf16Linear and lin.out_features % BLOCK else make)(lin)
         return self
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

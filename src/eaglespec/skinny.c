@@ -162,4 +162,3 @@ void skinny_linear_q4(const float *x, long M, long K, const unsigned char *qp, c
         }
     }
 }
-

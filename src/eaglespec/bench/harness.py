@@ -312,9 +312,9 @@ def summarize_batches(recs: list[dict]) -> list[dict]:
             row[f"{m}_ms_per_round"] = 1e3 * t / rounds if rounds else None
             # occupancy: the share of the batch's row slots still decoding; a batch runs until its
             # slowest row is done, so rows that finish early leave the rounds after them part-empty
-            slots = sum(r["rounds"] * r.get("rows", key[2]) for r in mr)
+            slots = sum(r["rounds"] * r["rows"] for r in mr)
             row[f"{m}_occupancy"] = sum(r["row_rounds"] for r in mr) / slots if slots else None
-            if mr and "draft_time_s" in mr[0] and t:
+            if t:
                 dt, vt = sum(r["draft_time_s"] for r in mr), sum(r["verify_time_s"] for r in mr)
                 row[f"{m}_time_split"] = {"draft": dt / t, "verify": vt / t, "other": 1 - (dt + vt) / t}
         er = [r for r in rs if r["method"] == "eagle"]
