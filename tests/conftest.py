@@ -9,6 +9,7 @@ time, but not always (context still matters a little), which exercises every bra
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -17,14 +18,17 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from eaglespec.head import EagleDraftHead
+from eaglespec.train.extract import ExtractConfig, extract
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to contention
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+# EAGLESPEC_TEST_DEVICE=cuda runs the tiny-model engine tests on a GPU (tests/test_cuda.py always does)
+DEVICE = os.environ.get("EAGLESPEC_TEST_DEVICE", "cpu")
 
 
 def tiny_target(family: str = "llama", seed: int = 0, vocab: int = 128, attn_scale: float = 0.3,
-                layers: int = 2, max_pos: int = 512):
+                layers: int = 2, max_pos: int = 512, device: str = DEVICE):
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
@@ -43,7 +47,7 @@ def tiny_target(family: str = "llama", seed: int = 0, vocab: int = 128, attn_sca
             if i > 0:
                 layer.mlp.down_proj.weight.mul_(0.1)
     model.generation_config.pad_token_id = 0
-    return model.eval()
+    return model.to(device).eval()
 
 
 def good_head(model) -> EagleDraftHead:
@@ -75,7 +79,7 @@ def save_tiny_dir(root: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    model = tiny_target("llama")
+    model = tiny_target("llama", device="cpu")
     model.save_pretrained(root / "model")
     vocab = {f"w{i}": i for i in range(128)}
     t = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
@@ -91,5 +95,24 @@ def save_tiny_dir(root: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     root = save_tiny_dir(tmp_path_factory.mktemp("tiny"))
-    good_head(tiny_target("llama", vocab=64)).save_pretrained(root / "head_small_vocab")
+    good_head(tiny_target("llama", vocab=64, device="cpu")).save_pretrained(root / "head_small_vocab")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_features(tmp_path_factory):
+    root = save_tiny_dir(tmp_path_factory.mktemp("trainfeat"))
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(40):
+        turns = []
+        for k in range(4):
+            words = " ".join(f"w{int(t)}" for t in torch.randint(5, 128, (int(torch.randint(3, 15, (1,), generator=g)),), generator=g))
+            turns.append({"from": "human" if k % 2 == 0 else "gpt", "value": words})
+        lines.append(json.dumps({"conversations": turns}))
+    (root / "convs.jsonl").write_text("\n".join(lines))
+    cfg = ExtractConfig(model=str(root / "model"), out_dir=str(root / "feats"), data=str(root / "convs.jsonl"),
+                        max_len=64, max_tokens=10_000, heldout=4, conversations_per_shard=8)
+    rep = extract(cfg)
+    assert rep["train"]["tokens"] > 0
     return root

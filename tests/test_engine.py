@@ -21,8 +21,9 @@ PROMPTS = [[5, 9, 17, 33, 2], [7], [100, 3, 3, 3, 3, 3, 3, 3, 64, 12, 90, 4]]
 
 
 def hf_greedy(model, ids, n, eos=None):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                         pad_token_id=0, repetition_penalty=None, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    x = torch.tensor([ids], device=model.device)
+    out = model.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                         repetition_penalty=None, attention_mask=torch.ones_like(x))
     return out[0, len(ids):].tolist()
 
 
@@ -51,9 +52,9 @@ def test_two_layer_head(tiny_pair, tree):
     with torch.no_grad():
         head.layers[1].self_attn.o_proj.weight.normal_(0, 0.05)
         head.layers[1].mlp.down_proj.weight.normal_(0, 0.05)
-    ids = torch.tensor([PROMPTS[0]])
+    ids = torch.tensor([PROMPTS[0]], device=model.device)
     f = model.model(input_ids=ids).last_hidden_state
-    pos = torch.arange(ids.shape[1])[None]
+    pos = torch.arange(ids.shape[1], device=model.device)[None]
     tok = torch.roll(ids, -1, 1)
     with torch.no_grad():
         whole = head(f, tok, pos)
@@ -165,7 +166,7 @@ def test_full_draft_vocabulary_at_load(tiny_pair, tmp_path):
     model, head = tiny_pair
     small = reduced_head(model, head, torch.arange(0, model.config.vocab_size, 3), context=False)
     small.save_pretrained(tmp_path / "h")
-    x = torch.randn(4, model.config.hidden_size)
+    x = torch.randn(4, model.config.hidden_size, device=model.device)
     full_logits = model.get_output_embeddings()(x)
     ref = hf_greedy(model, PROMPTS[0], 40)
     for choice, size in (("context", small.d2t.numel()), ("head", small.d2t.numel()),
@@ -185,7 +186,7 @@ def test_context_vocabulary_adds_the_texts_tokens(tiny_pair):
     model, head = tiny_pair
     V = model.config.vocab_size
     small = reduced_head(model, head, torch.arange(0, V, 2), context=True)
-    x = torch.randn(3, model.config.hidden_size)
+    x = torch.randn(3, model.config.hidden_size, device=model.device)
     full = model.get_output_embeddings()(x)
     small.add_context(torch.tensor([7, 4, 7, 9, 4]))  # 4 is in d2t already
     assert small.logits(x).shape[-1] == V // 2 + 2
@@ -194,7 +195,7 @@ def test_context_vocabulary_adds_the_texts_tokens(tiny_pair):
     q = torch.softmax(small.logits(x), -1)
     qt = small.to_target_probs(q)
     torch.testing.assert_close(qt[:, [7, 9]], q[:, V // 2:])
-    torch.testing.assert_close(qt.sum(-1), torch.ones(3))
+    torch.testing.assert_close(qt.sum(-1), torch.ones(3, device=model.device))
     small.add_context(torch.tensor([9, 7]))
     assert small.logits(x).shape[-1] == V // 2 + 2
     small.reset_context()
@@ -240,7 +241,7 @@ def test_prompt_lookup_grafts_stay_lossless(tree):
     model = tiny_target("llama", seed=3)
     head = good_head(model)
     with torch.no_grad():  # a poor head, so that the guesses add what the head misses
-        head.fc.bias.normal_(0, 2.0, generator=torch.Generator().manual_seed(0))
+        head.fc.bias.copy_(torch.empty(head.fc.bias.shape).normal_(0, 2.0, generator=torch.Generator().manual_seed(0)))
     eng = Engine(model, head, tree=tree, costs=synthetic_costs(0.02, 0.05))
     used = 0
     for ids in PROMPTS + [[5, 9, 17, 33, 2] * 4]:
@@ -347,10 +348,11 @@ def test_cache_compaction_equals_fresh_prefill(tiny_pair):
     tree = eng.tree
     node_tokens = torch.randint(2, 128, (tree.n,), generator=torch.Generator().manual_seed(0)).tolist()
     from eaglespec.tree import float_mask, prefix_tree_mask
-    allowed = prefix_tree_mask(tree.ancestor_mask, len(ids))
-    eng._target(node_tokens, len(ids), cache, float_mask(allowed, torch.float32), tree.position_offsets + len(ids))
+    allowed = prefix_tree_mask(tree.ancestor_mask, len(ids)).to(model.device)
+    eng._target(node_tokens, len(ids), cache, float_mask(allowed, torch.float32),
+                tree.position_offsets.to(model.device) + len(ids))
     keep = [0, 1, 5, 13, 21]
-    cache.compact(len(ids), torch.tensor(keep))
+    cache.compact(len(ids), torch.tensor(keep, device=model.device))
     fresh = KVCache(128)
     eng._target(ids + [node_tokens[i] for i in keep], 0, fresh)
     assert cache.get_seq_length() == fresh.get_seq_length() == len(ids) + len(keep)
@@ -376,12 +378,12 @@ def test_bad_requests(tiny_pair):
 def exact_three_token_law(model, ids, sp):
     V = model.config.vocab_size
     with torch.no_grad():
-        seqs = torch.tensor([ids + list(t) for t in itertools.product(range(V), repeat=2)])
+        seqs = torch.tensor([ids + list(t) for t in itertools.product(range(V), repeat=2)], device=model.device)
         logits = model(seqs).logits.float()
         p1 = target_probs(logits[0, len(ids) - 1], sp)
         p2 = target_probs(logits[:, len(ids)].view(V, V, V)[:, 0], sp)  # p(t2 | t1)
         p3 = target_probs(logits[:, len(ids) + 1], sp).view(V, V, V)  # p(t3 | t1, t2)
-    return p1[:, None, None] * p2[:, :, None] * p3
+    return (p1[:, None, None] * p2[:, :, None] * p3).cpu()
 
 
 @pytest.mark.parametrize("draft_sampling,tree", [("topk", [[0], [1], [0, 0], [0, 1], [1, 0]]),
@@ -484,7 +486,7 @@ def test_batch_returns_the_features_of_every_fed_token(tiny_pair, method):
         seq = ids + o.token_ids[:-1]
         assert o.features.shape == (len(seq), model.config.hidden_size)
         with torch.no_grad():
-            want = model.get_decoder()(input_ids=torch.tensor([seq])).last_hidden_state[0]
+            want = model.get_decoder()(input_ids=torch.tensor([seq], device=model.device)).last_hidden_state[0]
         torch.testing.assert_close(o.features, want, atol=1e-4, rtol=1e-4)
     assert all(o.features is None for o in eng.generate_batch(PROMPTS, 5, method=method))
 
@@ -512,10 +514,10 @@ def test_fused_head_reads_the_targets_aux_layers(tiny_pair, tree):
     is non-zero the aux hidden states change its predictions, the engine feeds it those layers
     (its drafts differ from the plain head's), and greedy output is still vanilla's."""
     model, head = tiny_pair
-    ids = torch.tensor([PROMPTS[2]])
+    ids = torch.tensor([PROMPTS[2]], device=model.device)
     hs = model.model(input_ids=ids, output_hidden_states=True).hidden_states
     f, wide = hs[-1], torch.cat([hs[-1], hs[1]], -1)
-    pos, tok = torch.arange(ids.shape[1])[None], torch.roll(ids, -1, 1)
+    pos, tok = torch.arange(ids.shape[1], device=model.device)[None], torch.roll(ids, -1, 1)
     with torch.no_grad():
         plain = head(f, tok, pos)
         head.add_aux_layers([1])

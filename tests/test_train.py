@@ -159,27 +159,6 @@ def test_sharegpt_parsing_of_truncated_json(tmp_path):
     assert to_messages([{"from": "gpt", "value": "x"}]) == []
 
 
-@pytest.fixture(scope="module")
-def tiny_features(tmp_path_factory):
-    from conftest import save_tiny_dir
-
-    root = save_tiny_dir(tmp_path_factory.mktemp("trainfeat"))
-    g = torch.Generator().manual_seed(0)
-    lines = []
-    for i in range(40):
-        turns = []
-        for k in range(4):
-            words = " ".join(f"w{int(t)}" for t in torch.randint(5, 128, (int(torch.randint(3, 15, (1,), generator=g)),), generator=g))
-            turns.append({"from": "human" if k % 2 == 0 else "gpt", "value": words})
-        lines.append(json.dumps({"conversations": turns}))
-    (root / "convs.jsonl").write_text("\n".join(lines))
-    cfg = ExtractConfig(model=str(root / "model"), out_dir=str(root / "feats"), data=str(root / "convs.jsonl"),
-                        max_len=64, max_tokens=10_000, heldout=4, conversations_per_shard=8)
-    rep = extract(cfg)
-    assert rep["train"]["tokens"] > 0
-    return root
-
-
 def test_render_masks_assistant_tokens(tiny_features):
     from transformers import AutoTokenizer
 
