@@ -3,12 +3,13 @@
 # with STAGES="tau"). Run on an idle machine: other CPU load distorts every ratio.
 set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
-STAGES=${STAGES:-"profile ablation ablation-int4 compile main int4 int4-t1 bf16 batch tau"}
+STAGES=${STAGES:-"profile ablation ablation-int4 compile main int4 int4-t1 bf16 bf16-dot batch tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
 TREE=${TREE:-auto+lookup}  # the eagle row of the main table: the best tree of the ablation, plus prompt-lookup grafts
 TREE4=${TREE4:-auto+lookup}  # the same for the int4 target (its own ablation)
 BATCH_TREE=${BATCH_TREE:-chain:1}  # batches need a static tree
 mkdir -p "$OUT"
+DOT=()
 # FP32: the fp32 target's kernels for every fp32 stage. "auto": --packed only where the profile stage
 # measured it faster for one token (vanilla's step; AVX2 EPYC, oneDNN: 56 vs 76 ms; AMX Xeon,
 # eaglespec's AVX-512 kernel: 31 vs 36 ms) and else torch's default (AMX Xeon with oneDNN: 41 vs
@@ -34,9 +35,13 @@ for stage in $STAGES; do
       eaglespec profile --quantize int8 --out "$OUT/profile-int8" | tee "$OUT/profile-int8.md"
       eaglespec profile --quantize int4 --out "$OUT/profile-int4" | tee "$OUT/profile-int4.md"
       eaglespec profile --quantize bf16 --out "$OUT/profile-bf16" | tee "$OUT/profile-bf16.md"
+      if [ -n "$(python -c 'from eaglespec.kernels import bf16dot_available as a; print(a() or "")')" ]; then
+        eaglespec profile --quantize bf16-dot --out "$OUT/profile-bf16-dot" | tee "$OUT/profile-bf16-dot.md"
+        DOT=(bf16-dot="$OUT/profile-bf16-dot/cost_curve.json")
+      fi
       eaglespec profile --compare fp32="$OUT/profile/cost_curve.json" packed="$OUT/profile-packed/cost_curve.json" \
         int8="$OUT/profile-int8/cost_curve.json" int4="$OUT/profile-int4/cost_curve.json" \
-        bf16="$OUT/profile-bf16/cost_curve.json" --out "$OUT/profile-all" \
+        bf16="$OUT/profile-bf16/cost_curve.json" "${DOT[@]}" --out "$OUT/profile-all" \
         | tee "$OUT/profile-all.md" ;;
     ablation)  # which tree: paper vs chain vs dynamic vs auto, MT-bench first turns, T=0
       K=$(fp32_kernels)
@@ -65,6 +70,9 @@ for stage in $STAGES; do
     bf16)      # weight-only bf16 (its own vanilla): half fp32's bytes, fp32 arithmetic; all four datasets, T=0
       eaglespec bench --quantize bf16 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
         --temperature 0 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,llamacpp --out "$OUT/bf16" ;;
+    bf16-dot)  # bf16 weights and bf16-rounded linear inputs (AVX512-BF16; its own vanilla): cheaper trees than bf16
+      eaglespec bench --quantize bf16-dot --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+        --temperature 0 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,llamacpp --out "$OUT/bf16-dot" ;;
     int8)      # weight-only int8 (slower than fp32 on this CPU: not in the default stages)
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;

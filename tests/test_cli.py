@@ -143,13 +143,16 @@ def test_profile_compare_overlays_saved_curves(run, tmp_path):
         assert rc == 2 and err.startswith("eaglespec: error:") and "Traceback" not in err
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "bf16-dot"])
 def test_generate_quantized_target(tiny_dirs, gen, quant):
     """--quantize: eagle and vanilla run the same quantized target, so their tokens agree."""
+    from eaglespec.kernels import bf16dot_available
     from eaglespec.quant import int4_available
 
     if quant == "int4" and not int4_available():
         pytest.skip("torch has no CPU int4 kernel")
+    if quant == "bf16-dot" and not bf16dot_available():
+        pytest.skip("no AVX512-BF16 here")
     outs = []
     for method in ("eagle", "vanilla"):
         rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "16", "--json", "--method", method,
@@ -159,3 +162,9 @@ def test_generate_quantized_target(tiny_dirs, gen, quant):
     assert outs[0] == outs[1] and len(outs[0]) == 16
 
 
+def test_cli_names_every_quantizer():
+    """cli keeps its own copy of the --quantize choices (so that --help imports no torch)."""
+    from eaglespec import cli
+    from eaglespec.quant import QUANTIZERS
+
+    assert cli.QUANTIZERS == QUANTIZERS

@@ -42,7 +42,7 @@ def test_int8_linear_matches_dequantized_weight():
 def test_quantized_target_eagle_equals_its_own_vanilla():
     model = tiny_target("llama", seed=3)
     head = good_head(model)  # bound before quantizing: the head keeps the fp32 embedding / LM head
-    quantize_weights(model, 8)
+    quantize_weights(model, "int8")
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].mlp.down_proj, Int8Linear)
     eng = Engine(model, head)
     for ids in PROMPTS:
@@ -55,6 +55,8 @@ def test_quantized_target_eagle_equals_its_own_vanilla():
 
 needs_skinny = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).available(),
                                   reason="the skinny kernel needs AVX-512F or AVX2 + FMA, and a C compiler")
+needs_bf16dot = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).bf16dot_available(),
+                                   reason="the bf16-dot kernel needs AVX512-BF16")
 
 
 @pytest.fixture(params=["avx512", "avx2"])
@@ -144,7 +146,7 @@ def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
     model = tiny_target("llama", seed=6)
     head = good_head(model)
     head.set_draft_vocab(torch.arange(50))
-    quantize_weights(model, 16)
+    quantize_weights(model, "bf16")
     eng = Engine(model, head, tree="chain:3")
     assert type(head._packed_draft) is PackedLinear and type(head.fc) is Bf16Linear
     for ids in PROMPTS:
@@ -153,23 +155,53 @@ def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
 
 def test_bf16_rejects_layers_it_cannot_block():
     from eaglespec.errors import EaglespecError
-    from eaglespec.quant import Bf16Linear
+    from eaglespec.quant import Bf16DotLinear, Bf16Linear
 
     with pytest.raises(EaglespecError, match="divisible by 32"):
         Bf16Linear(torch.nn.Linear(64, 40))
+    with pytest.raises(EaglespecError, match="even input sizes"):
+        Bf16DotLinear(torch.nn.Linear(77, 64))
+
+
+@needs_bf16dot
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16dot_kernel_sums_rounded_inputs_and_weights_and_each_row_alone(bias):
+    """bf16-dot: the sums of bf16(x) * bf16(w), to fp32 rounding, and at every row count (across the
+    passes of 12 rows) each row's bits are those of the row computed alone: a tree verifies like steps."""
+    from eaglespec.quant import Bf16DotLinear
+
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(78, 96, bias=bias)
+    q = Bf16DotLinear(lin)
+    rounded = lin.weight.detach().to(torch.bfloat16).float()
+    assert torch.equal(q.weight, rounded) and q.packed.dtype == torch.bfloat16
+    x = torch.randn(40, 78)
+    xr = x.to(torch.bfloat16).double()
+    want = xr @ rounded.double().T + (0 if lin.bias is None else lin.bias.detach().double())
+    with torch.no_grad():
+        y = q(x)
+        torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+        assert (y.double() - (x.double() @ rounded.double().T)).abs().max() > 1e-4  # the input really was rounded
+        alone = torch.cat([q(x[i:i + 1]) for i in range(40)])
+        for m in [1, 2, 11, 12, 13, 25, 40]:
+            assert torch.equal(q(x[:m]), alone[:m])
+        assert torch.equal(q(x.view(5, 8, 78)).view(40, 96), y)
 
 
 @needs_skinny
-@pytest.mark.parametrize("tree", ["paper", "dynamic:4,3,10"])
-def test_bf16_target_eagle_equals_its_own_vanilla(tree):
-    from eaglespec.quant import Bf16Linear
+@pytest.mark.parametrize("kind,tree", [("bf16", "paper"), ("bf16", "dynamic:4,3,10"),
+                                       pytest.param("bf16-dot", "paper", marks=needs_bf16dot),
+                                       pytest.param("bf16-dot", "dynamic:4,3,10", marks=needs_bf16dot)])
+def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
+    from eaglespec.quant import Bf16DotLinear, Bf16Linear
 
     model = tiny_target("llama", seed=6)
     head = good_head(model)
-    quantize_weights(model, 16)
-    assert model.config.eaglespec_quantization == "bf16" and model.config.eaglespec_packed_kernel.startswith("skinny")
-    eng = Engine(model, head, tree=tree)  # packs the head in bf16 too
-    assert type(head.fc) is Bf16Linear and isinstance(model.lm_head, Bf16Linear)
+    quantize_weights(model, kind)
+    assert model.config.eaglespec_quantization == kind and model.config.eaglespec_packed_kernel.startswith("skinny")
+    eng = Engine(model, head, tree=tree)  # packs the head the same way
+    cls = Bf16DotLinear if kind == "bf16-dot" else Bf16Linear
+    assert type(head.fc) is cls and type(model.lm_head) is cls
     assert any(type(m).__name__ == "FusedLinear" for m in model.modules())  # q/k/v, gate/up as one call each
     eagle_equals_vanilla(eng, batch=tree == "paper")
 
@@ -285,15 +317,21 @@ def test_int4_linear_is_its_dequantized_weight_and_row_independent(kernel, monke
         assert torch.equal(q(x[:k]), y[:k])
 
 
-def test_exact_attention_rows_equal_single_row_calls_where_sdpa_does_not():
+@pytest.mark.parametrize("path", [pytest.param("kernel", marks=pytest.mark.skipif(
+    not __import__("eaglespec.kernels", fromlist=["x"]).attention_available(), reason="needs AVX-512")), "sdpa"])
+def test_exact_attention_rows_equal_single_row_calls_where_sdpa_does_not(path, monkeypatch):
     """A tree's query rows, computed together, must equal the one-row calls vanilla decoding makes
     over the keys each row sees (prefix + ancestors, contiguous). Fused SDPA misses by ~1e-7,
-    which bf16 activations turn into whole ulps on a real model."""
+    which bf16 activations turn into whole ulps on a real model. Both exact paths: skinny.c's
+    attend_rows, and one SDPA call per row where that kernel does not run."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from eaglespec import kernels
     from eaglespec.attention import exact_attention
     from eaglespec.tree import float_mask, prefix_tree_mask
 
+    if path == "sdpa":
+        monkeypatch.setattr(kernels, "attention_available", lambda: False)
     torch.manual_seed(0)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
@@ -312,6 +350,15 @@ def test_exact_attention_rows_equal_single_row_calls_where_sdpa_does_not():
     fused = sdpa_attention_forward(module, q, k, v, mask)[0][0]
     assert not all(torch.equal(fused[i], solo(i)) for i in range(4))  # the test can tell the difference
     torch.testing.assert_close(fused, exact)
+    # a cache buffer's view (longer than the keys in use) and two batch rows with their own masks
+    buf_k, buf_v = torch.randn(2, 2, p + 40, d), torch.randn(2, 2, p + 40, d)
+    buf_k[0, :, :p + 4], buf_v[0, :, :p + 4] = k[0], v[0]
+    q2 = torch.cat([q, torch.randn(1, 4, 4, d)])
+    mask2 = torch.cat([mask, float_mask(prefix_tree_mask(allowed.tril(), p), torch.float32)])
+    both = exact_attention(module, q2, buf_k[:, :, :p + 4], buf_v[:, :, :p + 4], mask2)[0]
+    assert torch.equal(both[0], exact)
+    torch.testing.assert_close(both[1], sdpa_attention_forward(module, q2, buf_k[:, :, :p + 4],
+                                                               buf_v[:, :, :p + 4], mask2)[0][1])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -355,7 +402,7 @@ def test_int4_tree_rows_equal_one_by_one_decoding_bitwise(family, kernel, monkey
 
     use_kernel(kernel, monkeypatch)
     model = tiny_target(family, seed=5)
-    quantize_weights(model, 4)
+    quantize_weights(model, "int4")
     assert (model.config._attn_implementation == "eaglespec_exact") == (kernel == "torch")
     dec = model.get_decoder()
     prompt = torch.tensor([[5, 9, 17, 33, 2, 8]])
@@ -386,7 +433,7 @@ def test_int4_target_eagle_equals_its_own_vanilla(tree, kernel, monkeypatch):
     use_kernel(kernel, monkeypatch)
     model = tiny_target("llama", seed=6)
     head = good_head(model)
-    quantize_weights(model, 4)
+    quantize_weights(model, "int4")
     eng = Engine(model, head, tree=tree)  # packs the head as int4 too
     assert head._packed_draft is None and type(head.fc).__name__ == "Int4Linear"
     assert {m.skinny for m in model.modules() if type(m).__name__ == "Int4Linear"} == {kernel == "skinny"}
@@ -445,10 +492,13 @@ def test_load_target_packs_by_default_exactly_where_the_skinny_kernel_runs(tiny_
     assert not packed()  # oneDNN's packing is slower for one token on some CPUs: only when asked
     with pytest.raises(EaglespecError, match="bf16.*eaglespec's kernels"):
         load_target(str(tiny_dirs / "model"), quantize="bf16")
+    monkeypatch.setattr(kernels, "bf16dot_available", lambda: False)
+    with pytest.raises(EaglespecError, match="bf16-dot.*AVX512-BF16"):
+        load_target(str(tiny_dirs / "model"), quantize="bf16-dot")
 
 
 @needs_skinny
-@pytest.mark.parametrize("quantize", ["none", "int4", "bf16"])
+@pytest.mark.parametrize("quantize", ["none", "int4", "bf16", pytest.param("bf16-dot", marks=needs_bf16dot)])
 def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_dirs, quantize):
     """`--compile` with eaglespec's kernels (custom ops to inductor): EAGLE equals that model's own
     vanilla, and the kernels really ran inside the compiled graphs."""
@@ -456,7 +506,7 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
 
     from eaglespec import kernels
     from eaglespec.models import compile_decoder, load_target
-    from eaglespec.quant import Bf16Linear, Int4Linear, PackedLinear
+    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4Linear, PackedLinear
 
     torch._dynamo.reset()
     try:
@@ -464,12 +514,12 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
             model, _ = load_target(str(tiny_dirs / "model"), packed=False)
             head = good_head(model)
             # what load_target(quantize=..., compile=True) does
-            quantize_weights(model, 4 if quantize == "int4" else 16, fuse=False)
+            quantize_weights(model, quantize, fuse=False)
             compile_decoder(model)
         else:
             model, _ = load_target(str(tiny_dirs / "model"), compile=True)
             head = good_head(model)
-        kind = {"none": PackedLinear, "int4": Int4Linear, "bf16": Bf16Linear}[quantize]
+        kind = {"none": PackedLinear, "int4": Int4Linear, "bf16": Bf16Linear, "bf16-dot": Bf16DotLinear}[quantize]
         assert all(getattr(m, "skinny", True) for m in model.modules() if isinstance(m, kind)) and any(
             isinstance(m, kind) for m in model.model.layers.modules())
         before = torch._dynamo.utils.counters["frames"]["ok"]

@@ -6,9 +6,10 @@ run over M query rows can round differently from the same kernel over one row (~
 fp32 shrugs that off; a target with bf16 activations (the int4 kernels) amplifies it to whole
 bf16 ulps, which flips near-tied argmaxes within a few hundred tokens.
 
-So for short query blocks (decode steps, tree verification) every row is computed by its own
-one-row SDPA call over exactly the keys it may see, gathered in order (prefix, then ancestors):
-the very call vanilla decoding makes at that position. Long blocks (prompt prefill) take the
+So for short query blocks (decode steps, tree verification) every row is computed over exactly
+the keys it may see, in order (prefix, then ancestors), the way vanilla decoding computes that
+position: in one call to skinny.c's `attend_rows` for the whole block (fp32, AVX-512: one fixed
+sequence of operations per row and key list), else by one one-row SDPA call per row. Long blocks (prompt prefill) take the
 usual batched kernel; vanilla and EAGLE prefill the same prompt, so they still agree.
 Registered with transformers as attn_implementation="eaglespec_exact".
 
@@ -25,11 +26,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 NAME = "eaglespec_exact"
 GQA_NAME = "eaglespec_sdpa"
 MAX_EXACT_ROWS = 64  # query blocks up to this size take the row-by-row path
 
-_plan_memo: tuple[object, tuple, list] | None = None  # (mask, key shape, plan): one plan per forward
+_plan_memo: tuple | None = None  # (mask, key shape, plan[, packed plan]): one plan per forward
 
 
 def _plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> list[tuple[int, int, int, torch.Tensor | None]]:
@@ -54,6 +57,26 @@ def _plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> list[tuple[
     return plan
 
 
+def _kernel_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """skinny.c's attend_rows: fp32 on the CPU, head size a multiple of 16 up to 256, contiguous rows."""
+    d = query.shape[-1]
+    return (query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu"
+            and d % 16 == 0 and d <= 256 and value.shape[-1] == d and key.stride(-1) == value.stride(-1) == 1
+            and key.stride(-2) == value.stride(-2) == d and kernels.attention_available())
+
+
+def _pack_plan(plan: list) -> tuple[tuple[torch.Tensor, ...], int]:
+    """The plan as attend_rows' int64 arrays (batch, query, n, tail offsets, tails) and the longest key list."""
+    tails = [t.tolist() if t is not None else [] for *_, t in plan]
+    offsets = [0]
+    for t in tails:
+        offsets.append(offsets[-1] + len(t))
+    cols = [torch.tensor([p[j] for p in plan], dtype=torch.long) for j in range(3)]
+    flat = torch.tensor([x for t in tails for x in t] or [0], dtype=torch.long)
+    lmax = max(p[2] + len(t) for p, t in zip(plan, tails))
+    return (*cols, torch.tensor(offsets, dtype=torch.long), flat), lmax
+
+
 def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                     **kwargs) -> tuple[torch.Tensor, None]:
@@ -69,6 +92,13 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     else:
         plan = _plan(attention_mask, b, m, length)
         _plan_memo = (attention_mask, shape, plan)  # holding the mask keeps its id unique
+    if _kernel_fits(query, key, value):
+        packed = _plan_memo[3] if len(_plan_memo) > 3 else None
+        if packed is None:
+            packed = _pack_plan(plan)
+            _plan_memo = (*_plan_memo[:3], packed)
+        return kernels.attend_rows(query, key, value, packed[0], packed[1],
+                                   scaling if scaling is not None else d ** -0.5), None
     gqa = key.shape[1] != h
     out = query.new_empty(b, m, h, value.shape[-1])
     for r, i, n, tail in plan:

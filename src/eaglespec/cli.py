@@ -14,6 +14,7 @@ from pathlib import Path
 from .errors import EaglespecError
 
 SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
+QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot")  # quant.QUANTIZERS, named here so that --help needs no torch
 
 
 def default_head(model: str) -> str | None:
@@ -30,7 +31,8 @@ COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 m
                 "process on 2 cores). With eaglespec's kernels (--packed, --quantize int4) inductor fuses "
                 "the small ops around them: the fastest configuration measured (BENCHMARKS.md section 7)")
 QUANT_HELP = ("int8 | int4 | bf16: weight-only quantized target (every method, vanilla included, runs the same "
-              "quantized model; int4 and bf16 run on eaglespec's kernels)")
+              "quantized model; int4 and bf16 run on eaglespec's kernels); bf16-dot: bf16 weights and bf16-rounded "
+              "inputs to each linear layer (CPUs with AVX512-BF16; cheaper trees than bf16)")
 DRAFT_VOCAB_HELP = ("context (default): the tokens the head was trained to propose (the shipped SmolLM2 head: the "
                     "16k most frequent) plus those of the prompt and the text so far; head: the trained ones only; "
                     "full: every target token, with no retraining. Shipped head, MT-bench: tau 2.997 with context "
@@ -50,7 +52,7 @@ def _add_head(p: argparse.ArgumentParser) -> None:
 
 def _add_target_kernels(p: argparse.ArgumentParser) -> None:
     """How the target runs (every method of a command uses the same): --quantize, --packed, --compile."""
-    p.add_argument("--quantize", choices=["none", "int8", "int4", "bf16"], default="none", help=QUANT_HELP)
+    p.add_argument("--quantize", choices=["none", *QUANTIZERS], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None, help=PACK_HELP)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
 

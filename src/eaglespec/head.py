@@ -279,9 +279,10 @@ class EagleDraftHead(nn.Module):
     def pack(self, kind: str = "packed") -> "EagleDraftHead":
         """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
         "packed" = fp32 pre-packed (`quant.PackedLinear`), "int4" = `quant.Int4Linear`, "bf16" =
-        `quant.Bf16Linear`. A draft is any distribution we can sample from, so a quantized head stays lossless."""
-        from .kernels import BLOCK, available as kernels_available
-        from .quant import (Bf16Linear, Int4Linear, PackedLinear, int4_available, pack_linears,
+        `quant.Bf16Linear`, "bf16-dot" = `quant.Bf16DotLinear`. A draft is any distribution we can sample
+        from, so a quantized head stays lossless."""
+        from .kernels import BLOCK, available as kernels_available, bf16dot_available
+        from .quant import (Bf16DotLinear, Bf16Linear, Int4Linear, PackedLinear, int4_available, pack_linears,
                             packed_linear_available, replace_linears)
 
         if next(self.parameters()).device.type != "cpu" or self._packed_draft is not None:
@@ -289,9 +290,10 @@ class EagleDraftHead(nn.Module):
         if kind == "int4" and int4_available():
             make = partial(Int4Linear, keep_weight=False)
             replace_linears(self, make)
-        elif kind == "bf16" and kernels_available():
-            make = Bf16Linear
-            replace_linears(self, make, lambda m: type(m) is nn.Linear and m.weight.shape[0] % BLOCK == 0)
+        elif kind in ("bf16", "bf16-dot") and kernels_available():
+            make = Bf16DotLinear if kind == "bf16-dot" and bf16dot_available() else Bf16Linear
+            replace_linears(self, make, lambda m: type(m) is nn.Linear and m.weight.shape[0] % BLOCK == 0
+                            and m.weight.shape[1] % 2 == 0)
         elif packed_linear_available():
             make = PackedLinear
             pack_linears(self)
@@ -303,7 +305,7 @@ class EagleDraftHead(nn.Module):
             lin = nn.Linear(self._w_draft.shape[1], self._w_draft.shape[0], bias=False)
             lin.weight = nn.Parameter(self._w_draft.float(), requires_grad=False)
             # the bf16 kernel wants whole blocks of rows; a draft vocabulary need not have them
-            self._packed_draft = (PackedLinear if make is Bf16Linear and lin.out_features % BLOCK else make)(lin)
+            self._packed_draft = (PackedLinear if make in (Bf16Linear, Bf16DotLinear) and lin.out_features % BLOCK else make)(lin)
         return self
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ this project's 2-core Xeon torch's default fp32 kernel costs 1.6x a one-token st
 2x at 8, and its int4 kernel 2x at 8 (BENCHMARKS.md section 1), which caps the tree the cost model
 can afford. `skinny.c` streams each weight once whatever the row count (up to ~16 rows) and is no
 slower for one row: `linear` for fp32 weights (`quant.PackedLinear`), `linear_q4` for 4-bit ones
-(`quant.Int4Linear`), `linear_bf16` for bf16 ones (`quant.Bf16Linear`).
+(`quant.Int4Linear`), `linear_bf16` for bf16 ones (`quant.Bf16Linear`), and with AVX512-BF16
+`linear_bf16dot` for bf16 weights and bf16-rounded inputs (`quant.Bf16DotLinear`).
 
 The shared library is compiled once per machine into ``$EAGLESPEC_CACHE/kernels`` (about half a
 second with gcc), named by a hash of the source and flags, written atomically. Where it cannot be
@@ -48,8 +49,12 @@ def isa() -> str | None:
 
 
 def _build(out_dir: Path, isa: str) -> Path:
+    from .costmodel import cpu_has
+
     src = SOURCE.read_bytes()
     flags = [*FLAGS, ISA_FLAGS[isa]]
+    if isa == "avx512" and cpu_has("avx512_bf16"):
+        flags.append("-mavx512bf16")  # adds skinny_linear_bf16dot
     digest = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     lib = out_dir / f"skinny-{digest}.so"
     if lib.exists():
@@ -91,8 +96,15 @@ def _lib() -> ctypes.CDLL | None:
     q4.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     q4.restype = None
-    lib.skinny_linear_bf16.argtypes = fn.argtypes
-    lib.skinny_linear_bf16.restype = None
+    for extra in ("skinny_linear_bf16", "skinny_linear_bf16dot"):
+        if hasattr(lib, extra):
+            getattr(lib, extra).argtypes = fn.argtypes
+            getattr(lib, extra).restype = None
+    if hasattr(lib, "attend_rows"):
+        P, L = ctypes.c_void_p, ctypes.c_long
+        lib.attend_rows.argtypes = [P, L, L, L, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_float, P, P, L,
+                                    ctypes.c_int]
+        lib.attend_rows.restype = None
     return lib
 
 
@@ -104,6 +116,11 @@ def name() -> str:
 def available() -> bool:
     """Whether the skinny kernels run here (x86-64 with AVX-512F, or AVX2 and FMA, and a C compiler)."""
     return _lib() is not None
+
+
+def bf16dot_available() -> bool:
+    """Whether `linear_bf16dot` runs here (the AVX-512 kernels on a CPU with AVX512-BF16)."""
+    return _lib() is not None and hasattr(_lib(), "skinny_linear_bf16dot")
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -179,6 +196,46 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return _run(_lib().skinny_linear_bf16, x, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
 
 
+def pack_bf16dot(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> bf16 (N / 32, K / 2, 32, 2): per block of 32 rows and pair of inputs, each row's two
+    weights side by side (skinny_linear_bf16dot). K must be even."""
+    n, k = weight.shape
+    w = weight.detach().to(torch.bfloat16).reshape(n // BLOCK, BLOCK, k // 2, 2)
+    return w.transpose(1, 2).contiguous()
+
+
+def linear_bf16dot(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = bf16(x) @ w.T + bias for a 2-D fp32 x (M, K), with `packed` = pack_bf16dot(w): x is rounded
+    to bf16 (to nearest even), then products of pairs are summed in fp32."""
+    if torch.compiler.is_compiling():
+        return torch.ops.eaglespec.skinny_linear_bf16dot(x, packed, bias)
+    pairs = x.to(torch.bfloat16).contiguous().view(torch.int32)  # (M, K / 2), the pair order of `packed`
+    return _run(_lib().skinny_linear_bf16dot, pairs, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
+
+
+def attention_available() -> bool:
+    """Whether `attend_rows` runs here (the AVX-512 kernels)."""
+    return _lib() is not None and hasattr(_lib(), "attend_rows")
+
+
+def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: tuple[torch.Tensor, ...],
+                lmax: int, scale: float) -> torch.Tensor:
+    """Row-exact attention (skinny.c's attend_rows): query (B, H, M, D) fp32, key / value (B, Hkv, L, D)
+    with contiguous rows of D; plan = int64 (batch, query, n, offsets, tails) from `attention._plan`.
+    Returns (B, M, H, D)."""
+    b, h, m, d = query.shape
+    q = query.transpose(1, 2).contiguous()
+    out = torch.empty_like(q)
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads * max(lmax, 1), dtype=torch.float32)
+    pb, pi, pn, po, pt = plan
+    _lib().attend_rows(q.data_ptr(), m, h, d, key.data_ptr(), value.data_ptr(), key.shape[1], key.stride(0),
+                       key.stride(1), value.stride(0), value.stride(1), pb.numel(), pb.data_ptr(), pi.data_ptr(),
+                       pn.data_ptr(), po.data_ptr(), pt.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(), lmax,
+                       threads)
+    return out
+
+
 # The same kernels as torch custom ops, for `torch.compile` (models.compile_decoder): eager calls
 # go straight to ctypes above, since a custom op's dispatch costs more than the call itself.
 @torch.library.custom_op("eaglespec::skinny_linear", mutates_args=())
@@ -208,5 +265,15 @@ def _skinny_linear_bf16_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional
 
 
 @_skinny_linear_bf16_op.register_fake
+def _(x, packed, bias):
+    return x.new_empty(x.shape[0], packed.shape[0] * BLOCK)
+
+
+@torch.library.custom_op("eaglespec::skinny_linear_bf16dot", mutates_args=())
+def _skinny_linear_bf16dot_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return linear_bf16dot(x, packed, bias)
+
+
+@_skinny_linear_bf16dot_op.register_fake
 def _(x, packed, bias):
     return x.new_empty(x.shape[0], packed.shape[0] * BLOCK)

@@ -146,13 +146,16 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     """Model + tokenizer, ready for `Engine`. Greedy decoding settings of its generation_config
     (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
     ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``"bf16"``: weight-only bf16
-    (`eaglespec.quant.Bf16Linear`, eaglespec's kernels); ``packed=True``: fp32 linear layers with
+    (`eaglespec.quant.Bf16Linear`, eaglespec's kernels); ``"bf16-dot"``: bf16 weights and bf16-rounded
+    inputs to every linear layer (`eaglespec.quant.Bf16DotLinear`, CPUs with AVX512-BF16); ``packed=True``: fp32 linear layers with
     weights pre-packed for a CPU kernel that streams them once for a whole draft tree (`eaglespec.kernels`
     with AVX-512 or AVX2, else oneDNN; see `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where
     eaglespec's kernel runs (a plain fp32 CPU target), since it is as fast or faster at every size there;
     ``compile=True``: the decoder goes through ``torch.compile`` (see `compile_decoder`)."""
-    if quantize not in (None, "none", "int8", "int4", "bf16"):
-        raise EaglespecError(f"quantize must be 'int8', 'int4', 'bf16' or none, got {quantize!r}")
+    from .quant import QUANTIZERS
+
+    if quantize not in (None, "none", *QUANTIZERS):
+        raise EaglespecError(f"quantize must be one of {', '.join(QUANTIZERS)} or none, got {quantize!r}")
     if attn_implementation == "exact" or (attn_implementation == "sdpa" and device == "cpu"):
         from .attention import GQA_NAME, register
 
@@ -164,6 +167,9 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         packed = device == "cpu" and quantize in (None, "none") and dtype == torch.float32 and kernels.available()
     if quantize == "bf16" and (device != "cpu" or not kernels.available()):
         raise EaglespecError("quantize='bf16' needs eaglespec's kernels (device cpu, x86-64 with AVX-512 or AVX2)")
+    if quantize == "bf16-dot" and (device != "cpu" or not kernels.bf16dot_available()):
+        raise EaglespecError("quantize='bf16-dot' needs eaglespec's AVX512-BF16 kernel (device cpu, a CPU with "
+                             "avx512_bf16); quantize='bf16' runs wherever AVX-512 or AVX2 does")
     if compile and (quantize == "int8" or ((packed or quantize == "int4") and not kernels.available())):
         # inductor cannot lower oneDNN pre-packed or torch's int4-packed weights; eaglespec's own
         # kernels are custom ops it calls as they are
@@ -176,12 +182,12 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     except OSError as e:
         raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
     model = model.to(device).eval()
-    if quantize in ("int8", "int4", "bf16"):
+    if quantize in QUANTIZERS:
         from .quant import int4_available, quantize_weights
 
         if quantize == "int4" and (device != "cpu" or not int4_available()):
             raise EaglespecError("quantize='int4' needs torch's CPU int4 kernel (device cpu)")
-        quantize_weights(model, 16 if quantize == "bf16" else int(quantize[3:]), fuse=not compile)
+        quantize_weights(model, quantize, fuse=not compile)
     elif packed and device == "cpu":
         from .quant import pack_target
 

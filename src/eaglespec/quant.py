@@ -1,8 +1,9 @@
-"""Faster linear layers for a CPU target: weight-only int8 / int4 (gpt-fast's paths) and bf16, and fp32
-pre-packing.
+"""Faster linear layers for a CPU target: weight-only int8 / int4 (gpt-fast's paths) and bf16, bf16
+weights with bf16-rounded inputs (bf16-dot), and fp32 pre-packing.
 
 Decoding a small model on a CPU streams every weight once per forward; int8 weights stream a
-quarter of fp32's bytes, int4 an eighth, bf16 half. Activations stay in the model's dtype. A quantized target is its own
+quarter of fp32's bytes, int4 an eighth, bf16 half. Activations stay in the model's dtype (bf16-dot
+rounds each linear layer's input to bf16 inside the kernel, nothing else). A quantized target is its own
 vanilla: EAGLE stays lossless with respect to the target as it runs, and the benchmark's vanilla
 uses the same quantized target, so speedup ratios stay honest.
 """
@@ -135,17 +136,20 @@ class Bf16Linear(nn.Module):
     and a tree verifies to the numbers a one-token step gives, exactly as with fp32 weights.
     """
 
+    pack, kernel, pairs = staticmethod(kernels.pack_bf16), staticmethod(kernels.linear_bf16), False
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         n, k = linear.weight.shape
-        if n % kernels.BLOCK:
-            raise EaglespecError(f"bf16 needs output sizes divisible by {kernels.BLOCK}; a linear layer has {n}")
+        if n % kernels.BLOCK or (self.pairs and k % 2):
+            raise EaglespecError(f"bf16 needs output sizes divisible by {kernels.BLOCK}"
+                                 f"{' and even input sizes' if self.pairs else ''}; a linear layer is {n} x {k}")
         self.in_features, self.out_features = k, n
-        self.register_buffer("packed", kernels.pack_bf16(linear.weight))
+        self.register_buffer("packed", self.pack(linear.weight))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the bf16 weight, as fp32: (N/32, K, 32) -> (N, K)."""
+        """Rows `ids` of the bf16 weight, as fp32: (N/32, K, 32) (or (N/32, K/2, 32, 2)) -> (N, K)."""
         w = self.packed.transpose(1, 2).reshape(self.out_features, self.in_features)
         return w[ids.to(w.device)].float()
 
@@ -156,8 +160,17 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = kernels.linear_bf16(x2 if x2.dtype == torch.float32 else x2.float(), self.packed, self.bias)
+        y = self.kernel(x2 if x2.dtype == torch.float32 else x2.float(), self.packed, self.bias)
         return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*shape[:-1], self.out_features)
+
+
+class Bf16DotLinear(Bf16Linear):
+    """y = bf16(x) @ bf16(w).T + bias (`kernels.linear_bf16dot`, AVX512-BF16): the input is rounded to
+    bf16 as well, and the kernel sums exact products of pairs in fp32 (VDPBF16PS), half the
+    multiply-adds of `Bf16Linear`. A one-token step streams the same bytes; a tree, whose verify
+    the arithmetic limits, gets cheaper. Rows are still summed alike whatever their number."""
+
+    pack, kernel, pairs = staticmethod(kernels.pack_bf16dot), staticmethod(kernels.linear_bf16dot), True
 
 
 class FusedLinear(nn.Module):
@@ -221,32 +234,37 @@ def int4_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def quantize_weights(model: nn.Module, bits: int = 8, lm_head: bool = True, fuse: bool = True) -> nn.Module:
-    """Replace the decoder's linear layers (and the LM head) by `Int8Linear`, `Int4Linear` or (bits=16)
-    `Bf16Linear`, in place.
+QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot")
+
+
+def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True, fuse: bool = True) -> nn.Module:
+    """Replace the decoder's linear layers (and the LM head) by `Int8Linear`, `Int4Linear`, `Bf16Linear`
+    or `Bf16DotLinear` (`kind` = one of QUANTIZERS), in place.
 
     The input embedding stays as it is (a lookup reads one row, not the whole matrix), so a tied
     LM head gets its own quantized copy. ``fuse``: q/k/v and gate/up as one int4 matmul each (eager
     decoding; a model for `torch.compile` keeps them apart, since the fused parts share a cache
     by tensor identity that the compiler need not see).
     """
-    make = {8: Int8Linear, 4: Int4Linear, 16: Bf16Linear}[bits]
-    inner = partial(Int4Linear, keep_weight=False) if bits == 4 else make  # nothing reads decoder weights
+    make = dict(zip(QUANTIZERS, (Int8Linear, Int4Linear, Bf16Linear, Bf16DotLinear)))[kind]
+    inner = partial(Int4Linear, keep_weight=False) if kind == "int4" else make  # nothing reads decoder weights
     decoder = model.get_decoder()
-    if bits in (4, 16) and fuse:
+    if kind != "int8" and fuse:
         fuse_projections(decoder, inner)
     replace_linears(decoder, inner, lambda lin: isinstance(lin, nn.Linear))
     if lm_head and isinstance(model.get_output_embeddings(), nn.Linear):
         model.set_output_embeddings(make(model.get_output_embeddings()))
         model.config.tie_word_embeddings = False  # stop transformers re-tying it to the embedding
-    bf16 = bits == 4 and not all(m.skinny for m in model.modules() if isinstance(m, Int4Linear))
-    if bf16:  # torch's int4 kernel: bf16 activations need row-exact attention for EAGLE to equal vanilla
+    torch_int4 = kind == "int4" and not all(m.skinny for m in model.modules() if isinstance(m, Int4Linear))
+    if torch_int4 or kind == "bf16-dot":
+        # bf16 activations (torch's int4 kernel) or inputs rounded to bf16 (bf16-dot) turn attention's
+        # ~1e-7 differences between a tree and a step into whole bf16 ulps: row-exact attention
         from .attention import register
 
         model.set_attn_implementation(register())
-    elif bits in (4, 16):
+    if kind != "int8" and not torch_int4:
         model.config.eaglespec_packed_kernel = kernels.name()  # also keys the cost curve apart from torch's kernel
-    model.config.eaglespec_quantization = "bf16" if bits == 16 else f"int{bits}"
+    model.config.eaglespec_quantization = kind
     return model
 
 

@@ -1,7 +1,9 @@
 /* y = x @ w.T (+ bias) for few rows of x (a decode step or a draft tree): AVX-512 or AVX2, OpenMP.
  * x and y are fp32; w is fp32 (skinny_linear), 4-bit with a scale and a minimum per 32 inputs
  * (skinny_linear_q4, dequantized in registers), or bf16 (skinny_linear_bf16: widened to fp32 in
- * registers, exactly, by a 16-bit shift; the sums are then those of fp32 weights).
+ * registers, exactly, by a 16-bit shift; the sums are then those of fp32 weights). With AVX512-BF16,
+ * skinny_linear_bf16dot takes x rounded to bf16 too and sums products of pairs (VDPBF16PS): half
+ * the multiply-add instructions, for trees whose verify the arithmetic, not memory, limits.
  *
  * Decoding a small model streams every weight once per forward. BLAS kernels are tuned for big
  * matrices: on a 2-core Xeon, torch's default path costs 1.6x a one-token step at 4 rows and 2x
@@ -68,17 +70,20 @@ static inline void store(int mr, vec acc[][NV], float *y, long ldy, const float 
         case 10: STEPS(CAP(10, MAXR)) break; case 11: STEPS(CAP(11, MAXR)) break; default: STEPS(MAXR) break;\
     }
 
-#define ROWS(R)                                                                               \
+/* one k step for R rows: broadcast each row's input (XB) and multiply-add it into its accumulators (MAC) */
+#define ROWS_OP(R, XB, MAC)                                                                   \
     _Pragma("GCC unroll 12") for (int i = 0; i < (R); i++) {                                  \
-        vec b = vset1(x[i * K + k]);                                                          \
-        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[i][v] = vfma(b, w[v], acc[i][v]); \
+        vec b = XB(x + i * K + k);                                                            \
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[i][v] = MAC(b, w[v], acc[i][v]); \
     }
+#define XFLOAT(p) vset1(*(p))
+#define ROWS(R) ROWS_OP(R, XFLOAT, vfma)
 
 /* One kernel per weight type (SKINNY): NAME##_STEPS walks a block's k steps with WSTEPS, whose
  * WLOAD(p) turns VW weights at p into a vector (fp32: a load; bf16: a widening load); the rest is
  * shared, so every type sums a row in the same order. */
-#define SKINNY(NAME, WT)                                                                      \
-static inline void NAME##_block(int mr, const float *x, long K, const WT *wp, float *y, long ldy, \
+#define SKINNY(NAME, XT, WT)                                                                  \
+static inline void NAME##_block(int mr, const XT *x, long K, const WT *wp, float *y, long ldy, \
                                 const float *bias) {                                          \
     vec acc[MR][NV];                                                                          \
     for (int i = 0; i < mr; i++)                                                              \
@@ -86,7 +91,7 @@ static inline void NAME##_block(int mr, const float *x, long K, const WT *wp, fl
     CASES(NAME##_STEPS, MR)                                                                   \
     store(mr, acc, y, ldy, bias);                                                             \
 }                                                                                             \
-void NAME(const float *x, long M, long K, const WT *wp, long N, const float *bias, float *y, int threads) { \
+void NAME(const XT *x, long M, long K, const WT *wp, long N, const float *bias, float *y, int threads) { \
     long blocks = N / NR;                                                                     \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                         \
     for (long b = 0; b < blocks; b++) {                                                       \
@@ -97,23 +102,36 @@ void NAME(const float *x, long M, long K, const WT *wp, long N, const float *bia
     }                                                                                         \
 }
 /* each k step of a block: prefetch its cache lines PFD steps ahead, load NV weight vectors, use them for R rows */
-#define WSTEPS(R, WT, WLOAD)                                                                  \
+#define WSTEPS_OP(R, WT, WLOAD, XB, MAC)                                                      \
     for (long k = 0; k < K; k++) {                                                            \
         for (int c = 0; c < (int)(NR * sizeof(WT)); c += 64)                                  \
             _mm_prefetch((const char *)(wp + (k + PFD) * NR) + c, _MM_HINT_T0);               \
         vec w[NV];                                                                            \
         for (int v = 0; v < NV; v++) w[v] = WLOAD(wp + k * NR + v * VW);                      \
-        ROWS(R)                                                                               \
+        ROWS_OP(R, XB, MAC)                                                                   \
     }
+#define WSTEPS(R, WT, WLOAD) WSTEPS_OP(R, WT, WLOAD, XFLOAT, vfma)
 
 /* x: (M, K) row-major; wp: packed (N / 32, K, 32); bias: N floats or NULL; y: (M, N). N % 32 == 0. */
 #define skinny_linear_STEPS(R) WSTEPS(R, float, vload)
-SKINNY(skinny_linear, float)
+SKINNY(skinny_linear, float, float)
 
 /* The bf16 variant: wp is (N / 32, K, 32) bf16, fp32's layout at half the bytes. Each weight is
  * widened exactly, so a row's sums are skinny_linear's on the bf16-rounded weight. */
 #define skinny_linear_bf16_STEPS(R) WSTEPS(R, unsigned short, BF16)
-SKINNY(skinny_linear_bf16, unsigned short)
+SKINNY(skinny_linear_bf16, float, unsigned short)
+
+#ifdef __AVX512BF16__
+/* The bf16-dot variant: x is (M, K / 2) pairs of bf16 and wp (N / 32, K / 2, 32) pairs, the two
+ * inputs of a pair side by side, so one k step here is two of the others: lane j adds
+ * x[2k] * w[j][2k] + x[2k + 1] * w[j][2k + 1] (each product exact in fp32) to its sum. K here is
+ * the pair count. Rows are still summed alike whatever their number: a tree verifies to a step's numbers. */
+#define XPAIR(p) _mm512_castsi512_ps(_mm512_set1_epi32((int)*(p)))
+#define WPAIRS(p) _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(p)))
+#define DOTBF16(b, w, acc) _mm512_dpbf16_ps((acc), (__m512bh)(w), (__m512bh)(b))
+#define skinny_linear_bf16dot_STEPS(R) WSTEPS_OP(R, unsigned int, WPAIRS, XPAIR, DOTBF16)
+SKINNY(skinny_linear_bf16dot, unsigned int, unsigned int)
+#endif
 
 /* The 4-bit variant. qp: (N / 32, K, 16) bytes, byte j of step k holding column j in its low
  * nibble and column 16 + j in its high one; sp, mp: (N / 32, K / 32, 32) fp32 scale and minimum,
@@ -162,3 +180,70 @@ void skinny_linear_q4(const float *x, long M, long K, const unsigned char *qp, c
         }
     }
 }
+
+#ifdef __AVX512F__
+/* Row-exact attention for few query rows (see attention.py): each (row, head) attends over its own
+ * list of keys, the first n cache positions and then `tail` positions (a tree node's ancestors), in
+ * that order, with one fixed sequence of operations: scores (one dot product per key), their max,
+ * exp and sum in lanes of 16 by key index, then the weighted sum of values. A row's result depends
+ * on its key list only, so a tree node gets the bits a decode step at its position gets.
+ *
+ * q, out: (B, M, H, D) fp32; k, v: fp32 with rows of D at position stride D, batch stride kb / vb and
+ * head stride kh / vh; plan row r: batch pb[r], query pi[r], n = pn[r], tail = pt[po[r]..po[r+1]).
+ * scratch: threads * lmax floats. D % 16 == 0, D <= 256. */
+static inline __m512 exp512(__m512 x) { /* Cephes' expf: Cody-Waite reduction, degree-6 polynomial */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+void attend_rows(const float *q, long M, long H, long D, const float *k, const float *v, long Hkv, long kb,
+                 long kh, long vb, long vh, long R, const long *pb, const long *pi, const long *pn, const long *po,
+                 const long *pt, float scale, float *out, float *scratch, long lmax, int threads) {
+    long C = D / 16, group = H / Hkv;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long task = 0; task < R * H; task++) {
+        long r = task / H, h = task % H, b = pb[r], n = pn[r], t = po[r + 1] - po[r];
+        const long *tail = pt + po[r];
+        const float *qp = q + ((b * M + pi[r]) * H + h) * D;
+        const float *kp = k + b * kb + (h / group) * kh, *vp = v + b * vb + (h / group) * vh;
+        float *s = scratch + (long)omp_get_thread_num() * lmax;
+        long L = n + t;
+        __m512 qv[16], acc[16];
+        for (long c = 0; c < C; c++) qv[c] = _mm512_loadu_ps(qp + c * 16), acc[c] = _mm512_setzero_ps();
+        float mx = -3.0e38f;
+        for (long j = 0; j < L; j++) {
+            const float *kr = kp + (j < n ? j : tail[j - n]) * D;
+            __m512 a = _mm512_setzero_ps();
+            for (long c = 0; c < C; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + c * 16), a);
+            s[j] = _mm512_reduce_add_ps(a) * scale;
+            mx = s[j] > mx ? s[j] : mx;
+        }
+        __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+        for (long j = 0; j < L; j += 16) {
+            __mmask16 m = L - j >= 16 ? 0xFFFF : (__mmask16)((1u << (L - j)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx)));
+            _mm512_mask_storeu_ps(s + j, m, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        for (long j = 0; j < L; j++) {
+            const float *vr = vp + (j < n ? j : tail[j - n]) * D;
+            __m512 p = _mm512_set1_ps(s[j]);
+            for (long c = 0; c < C; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + c * 16), acc[c]);
+        }
+        __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+        float *o = out + ((b * M + pi[r]) * H + h) * D;
+        for (long c = 0; c < C; c++) _mm512_storeu_ps(o + c * 16, _mm512_div_ps(acc[c], total));
+    }
+}
+#endif

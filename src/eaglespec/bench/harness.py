@@ -27,6 +27,7 @@ from ..engine import Engine
 from ..errors import EaglespecError
 from ..io import atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
+from ..quant import QUANTIZERS
 from ..verify import SamplingParams
 from .datasets import load_questions
 
@@ -88,7 +89,7 @@ class BenchConfig:
     out: str = "bench_out"
     warmup: int = 1
     first_turn_only: bool = False
-    quantize: str = "none"  # "int8" / "int4" / "bf16": every method runs the same weight-only quantized target
+    quantize: str = "none"  # "int8" / "int4" / "bf16" / "bf16-dot": every method runs the same quantized target
     packed: bool | None = None  # every method runs the same target with pre-packed fp32 weights; None: auto
     compile: bool = False  # every method runs the same torch.compile'd target
     packed_kernel: str = ""  # set by run_bench: "skinny" / "skinny-avx2" (eaglespec's kernels) or "oneDNN"
@@ -403,12 +404,14 @@ def report_markdown(result: dict) -> str:
                   if kernel.startswith("skinny") else " (torch's int4 kernel)")
     elif cfg.get("quantize") == "bf16":
         packed = f" (eaglespec's bf16 kernel{', AVX2' if (cfg.get('packed_kernel') or '').endswith('avx2') else ''})"
+    elif cfg.get("quantize") == "bf16-dot":
+        packed = " (bf16 inputs too: eaglespec's AVX512-BF16 kernel)"
     vocab = {"full": " (full draft vocabulary)", "head": " (the head's draft vocabulary, no context tokens)"}.get(
         cfg.get("draft_vocab"), "")
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`{vocab}, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
-             f"{cfg.get('quantize') if cfg.get('quantize') in ('int8', 'int4', 'bf16') else 'fp32'}{packed}{', torch.compile' if cfg.get('compile') else ''}",
+             f"{cfg.get('quantize') if cfg.get('quantize') in QUANTIZERS else 'fp32'}{packed}{', torch.compile' if cfg.get('compile') else ''}",
              f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
              f"transformers {mach['transformers']}; {mach['date']}", ""]
     for (ds, temp) in sorted({(r["dataset"], r["temperature"]) for r in result["summary"]}):
