@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import warnings
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional
 from pathlib import Path
 
 import torch
@@ -238,14 +238,21 @@ def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pla
 
 # The same kernels as torch custom ops, for `torch.compile` (models.compile_decoder): eager calls
 # go straight to ctypes above, since a custom op's dispatch costs more than the call itself.
-@torch.library.custom_op("eaglespec::skinny_linear", mutates_args=())
-def _skinny_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return linear(x, packed, bias)  # runs eagerly: the ctypes path
+def _register_packed_op(name: str, eager: Callable) -> None:
+    """A custom op for a kernel taking (x, packed, bias), whose output has packed.shape[0] * BLOCK columns."""
+    def op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return eager(x, packed, bias)  # runs eagerly: the ctypes path
+
+    op = torch.library.custom_op(f"eaglespec::{name}", op, mutates_args=())
+
+    @op.register_fake
+    def _(x, packed, bias):
+        return x.new_empty(x.shape[0], packed.shape[0] * BLOCK)
 
 
-@_skinny_linear_op.register_fake
-def _(x, packed, bias):
-    return x.new_empty(x.shape[0], packed.shape[0] * BLOCK)
+for _name, _eager in (("skinny_linear", linear), ("skinny_linear_bf16", linear_bf16),
+                      ("skinny_linear_bf16dot", linear_bf16dot)):
+    _register_packed_op(_name, _eager)
 
 
 @torch.library.custom_op("eaglespec::skinny_linear_q4", mutates_args=())
@@ -257,23 +264,3 @@ def _skinny_linear_q4_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 @_skinny_linear_q4_op.register_fake
 def _(x, codes, scale, minimum, bias):
     return x.new_empty(x.shape[0], codes.shape[0] * BLOCK)
-
-
-@torch.library.custom_op("eaglespec::skinny_linear_bf16", mutates_args=())
-def _skinny_linear_bf16_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return linear_bf16(x, packed, bias)
-
-
-@_skinny_linear_bf16_op.register_fake
-def _(x, packed, bias):
-    return x.new_empty(x.shape[0], packed.shape[0] * BLOCK)
-
-
-@torch.library.custom_op("eaglespec::skinny_linear_bf16dot", mutates_args=())
-def _skinny_linear_bf16dot_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return linear_bf16dot(x, packed, bias)
-
-
-@_skinny_linear_bf16dot_op.register_fake
-def _(x, packed, bias):
-    return x.new_empty(x.shape[0], packed.shape[0] * BLOCK)
