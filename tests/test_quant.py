@@ -391,19 +391,23 @@ def test_gqa_sdpa_equals_transformers_sdpa_bitwise(family):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-@needs_int4
-@pytest.mark.parametrize("family,kernel", [("llama", "torch"), ("qwen2", "torch"), ("llama", "skinny")])
-def test_int4_tree_rows_equal_one_by_one_decoding_bitwise(family, kernel, monkeypatch):
-    """The property EAGLE needs with bf16 activations (torch's int4 kernel): a token verified
-    inside a tree gets exactly the hidden state it gets when decoded alone after its ancestors.
-    The skinny kernel keeps fp32 activations and fused SDPA, so there it holds to fp32 rounding."""
+@pytest.mark.parametrize("family,kind,kernel", [
+    pytest.param("llama", "int4", "torch", marks=needs_int4), pytest.param("qwen2", "int4", "torch", marks=needs_int4),
+    pytest.param("llama", "int4", "skinny", marks=needs_int4), pytest.param("llama", "bf16-dot", "skinny", marks=needs_bf16dot),
+    pytest.param("qwen2", "bf16-dot", "skinny", marks=needs_bf16dot)])
+def test_quantized_tree_rows_equal_one_by_one_decoding_bitwise(family, kind, kernel, monkeypatch):
+    """The property EAGLE needs with bf16 activations (torch's int4 kernel) or bf16-rounded inputs
+    (bf16-dot): a token verified inside a tree gets exactly the hidden state it gets when decoded
+    alone after its ancestors. The skinny int4 kernel keeps fp32 activations and fused SDPA, so
+    there it holds to fp32 rounding."""
     from eaglespec.cache import KVCache
     from eaglespec.tree import float_mask, prefix_tree_mask
 
     use_kernel(kernel, monkeypatch)
     model = tiny_target(family, seed=5)
-    quantize_weights(model, "int4")
-    assert (model.config._attn_implementation == "eaglespec_exact") == (kernel == "torch")
+    quantize_weights(model, kind)
+    exact = kernel == "torch" or kind == "bf16-dot"
+    assert (model.config._attn_implementation == "eaglespec_exact") == exact
     dec = model.get_decoder()
     prompt = torch.tensor([[5, 9, 17, 33, 2, 8]])
     a, b, c = 40, 41, 42  # tree: a -> b, and a -> c (c is b's sibling)
@@ -422,7 +426,7 @@ def test_int4_tree_rows_equal_one_by_one_decoding_bitwise(family, kernel, monkey
             for j, t in enumerate(path):
                 solo.append(dec(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[p + j]]),
                                 past_key_values=cache, use_cache=True).last_hidden_state[0, 0])
-    same = torch.equal if kernel == "torch" else partial(torch.allclose, atol=1e-5, rtol=1e-5)
+    same = torch.equal if exact else partial(torch.allclose, atol=1e-5, rtol=1e-5)
     assert same(tree[0], solo[0]) and same(tree[1], solo[1]) and same(tree[2], solo[3])
 
 
