@@ -35,7 +35,7 @@ QUANT_HELP = ("int8 | int4 | bf16: weight-only quantized target (every method, v
               "inputs to each linear layer (CPUs with AVX512-BF16; cheaper trees than bf16)")
 DRAFT_VOCAB_HELP = ("context (default): the tokens the head was trained to propose (the shipped SmolLM2 head: the "
                     "16k most frequent) plus those of the prompt and the text so far; head: the trained ones only; "
-                    "full: every target token, with no retraining. Shipped head, MT-bench: tau 2.997 with context "
+                    "full: every target token, with no retraining. Shipped head, MT-bench: tau 3.012 with context "
                     "(session 27's: 2.98 / 2.93 / 2.98), but full costs 3x per draft step's LM head on CPU")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve); append +lookup[:L] to graft up "
