@@ -9,8 +9,9 @@ bf16 ulps, which flips near-tied argmaxes within a few hundred tokens.
 So for short query blocks (decode steps, tree verification) every row is computed over exactly
 the keys it may see, in order (prefix, then ancestors), the way vanilla decoding computes that
 position: in one call to skinny.c's `attend_rows` for the whole block (fp32, AVX-512: one fixed
-sequence of operations per row and key list), else by one one-row SDPA call per row. Long blocks (prompt prefill) take the
-usual batched kernel; vanilla and EAGLE prefill the same prompt, so they still agree.
+sequence of operations per row and key list), else by one one-row SDPA call per row. Long blocks
+(prompt prefill) take the usual batched kernel; vanilla and EAGLE prefill the same prompt, so they
+still agree.
 Registered with transformers as attn_implementation="eaglespec_exact".
 
 Also here: "eaglespec_sdpa", transformers' SDPA without its K/V copy. Whenever a mask is given

@@ -293,7 +293,7 @@ class EagleDraftHead(nn.Module):
         elif kind in ("bf16", "bf16-dot") and kernels_available():
             make = Bf16DotLinear if kind == "bf16-dot" and bf16dot_available() else Bf16Linear
             replace_linears(self, make, lambda m: type(m) is nn.Linear and m.weight.shape[0] % BLOCK == 0
-                            and m.weight.shape[1] % 2 == 0)
+                            and (make is Bf16Linear or m.weight.shape[1] % 2 == 0))  # bf16-dot: pairs of inputs
         elif packed_linear_available():
             make = PackedLinear
             pack_linears(self)

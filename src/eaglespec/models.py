@@ -147,10 +147,11 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
     ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``"bf16"``: weight-only bf16
     (`eaglespec.quant.Bf16Linear`, eaglespec's kernels); ``"bf16-dot"``: bf16 weights and bf16-rounded
-    inputs to every linear layer (`eaglespec.quant.Bf16DotLinear`, CPUs with AVX512-BF16); ``packed=True``: fp32 linear layers with
-    weights pre-packed for a CPU kernel that streams them once for a whole draft tree (`eaglespec.kernels`
-    with AVX-512 or AVX2, else oneDNN; see `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where
-    eaglespec's kernel runs (a plain fp32 CPU target), since it is as fast or faster at every size there;
+    inputs to every linear layer (`eaglespec.quant.Bf16DotLinear`, CPUs with AVX512-BF16);
+    ``packed=True``: fp32 linear layers with weights pre-packed for a CPU kernel that streams them once
+    for a whole draft tree (`eaglespec.kernels` with AVX-512 or AVX2, else oneDNN; see
+    `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where eaglespec's kernel runs (a
+    plain fp32 CPU target), since it is as fast or faster at every size there;
     ``compile=True``: the decoder goes through ``torch.compile`` (see `compile_decoder`)."""
     from .quant import QUANTIZERS
 
