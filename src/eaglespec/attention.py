@@ -33,7 +33,7 @@ NAME = "eaglespec_exact"
 GQA_NAME = "eaglespec_sdpa"
 MAX_EXACT_ROWS = 64  # query blocks up to this size take the row-by-row path
 
-_plan_memo: tuple | None = None  # (mask, key shape, plan[, packed plan]): one plan per forward
+_plan_memo: tuple | None = None  # (mask, key shape, plan, packed plan or None): one plan per forward
 
 
 def _plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> list[tuple[int, int, int, torch.Tensor | None]]:
@@ -92,9 +92,9 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         plan = _plan_memo[2]
     else:
         plan = _plan(attention_mask, b, m, length)
-        _plan_memo = (attention_mask, shape, plan)  # holding the mask keeps its id unique
+        _plan_memo = (attention_mask, shape, plan, None)  # holding the mask keeps its id unique
     if _kernel_fits(query, key, value):
-        packed = _plan_memo[3] if len(_plan_memo) > 3 else None
+        packed = _plan_memo[3]
         if packed is None:
             packed = _pack_plan(plan)
             _plan_memo = (*_plan_memo[:3], packed)
