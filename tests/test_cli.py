@@ -143,7 +143,7 @@ def test_profile_compare_overlays_saved_curves(run, tmp_path):
         assert rc == 2 and err.startswith("eaglespec: error:") and "Traceback" not in err
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4", "bf16-dot"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "bf16-dot", "int4-dot"])
 def test_generate_quantized_target(tiny_dirs, gen, quant):
     """--quantize: eagle and vanilla run the same quantized target, so their tokens agree."""
     from eaglespec.kernels import bf16dot_available
@@ -151,7 +151,7 @@ def test_generate_quantized_target(tiny_dirs, gen, quant):
 
     if quant == "int4" and not int4_available():
         pytest.skip("torch has no CPU int4 kernel")
-    if quant == "bf16-dot" and not bf16dot_available():
+    if quant.endswith("-dot") and not bf16dot_available():
         pytest.skip("no AVX512-BF16 here")
     outs = []
     for method in ("eagle", "vanilla"):

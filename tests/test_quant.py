@@ -188,20 +188,52 @@ def test_bf16dot_kernel_sums_rounded_inputs_and_weights_and_each_row_alone(bias)
         assert torch.equal(q(x.view(5, 8, 78)).view(40, 96), y)
 
 
+@needs_bf16dot
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4dot_kernel_sums_rounded_inputs_and_int4_weights_and_each_row_alone(bias):
+    """int4-dot: the sums of bf16(x) * (q * scale + minimum) (Int4Linear's very codes), to fp32
+    rounding, and at every row count (across the passes of 6 rows) each row's bits are those of the
+    row computed alone."""
+    from eaglespec.errors import EaglespecError
+    from eaglespec.quant import Int4DotLinear, Int4Linear
+
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(96, 160, bias=bias)
+    q, ref = Int4DotLinear(lin), Int4Linear(lin)
+    assert torch.equal(q._q, ref._q) and q.skinny
+    w = ref.weight.double()
+    torch.testing.assert_close(q.weight.double(), w, atol=1e-6, rtol=0)  # 128 + q, shifted minimum: the same weight
+    x = torch.randn(40, 96)
+    want = x.to(torch.bfloat16).double() @ w.T + (0 if lin.bias is None else lin.bias.detach().double())
+    with torch.no_grad():
+        y = q(x)
+        torch.testing.assert_close(y.double(), want, atol=2e-5, rtol=1e-5)
+        assert (y.double() - (x.double() @ w.T)).abs().max() > 1e-3  # the input really was rounded
+        alone = torch.cat([q(x[i:i + 1]) for i in range(40)])
+        for m in [1, 2, 5, 6, 7, 13, 40]:
+            assert torch.equal(q(x[:m]), alone[:m])
+        assert torch.equal(q(x.view(5, 8, 96)).view(40, 160), y)
+    with pytest.raises(EaglespecError, match="int4-dot needs"):
+        Int4DotLinear(torch.nn.Linear(64, 40))  # outputs not in blocks of 32
+
+
 @needs_skinny
 @pytest.mark.parametrize("kind,tree", [("bf16", "paper"), ("bf16", "dynamic:4,3,10"),
                                        pytest.param("bf16-dot", "paper", marks=needs_bf16dot),
-                                       pytest.param("bf16-dot", "dynamic:4,3,10", marks=needs_bf16dot)])
+                                       pytest.param("bf16-dot", "dynamic:4,3,10", marks=needs_bf16dot),
+                                       pytest.param("int4-dot", "paper", marks=needs_bf16dot),
+                                       pytest.param("int4-dot", "dynamic:4,3,10", marks=needs_bf16dot)])
 def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
-    from eaglespec.quant import Bf16DotLinear, Bf16Linear
+    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear
 
     model = tiny_target("llama", seed=6)
     head = good_head(model)
     quantize_weights(model, kind)
     assert model.config.eaglespec_quantization == kind and model.config.eaglespec_packed_kernel.startswith("skinny")
     eng = Engine(model, head, tree=tree)  # packs the head the same way
-    cls = Bf16DotLinear if kind == "bf16-dot" else Bf16Linear
-    assert type(head.fc) is cls and type(model.lm_head) is cls
+    cls = {"bf16": Bf16Linear, "bf16-dot": Bf16DotLinear, "int4-dot": Int4DotLinear}[kind]
+    assert type(model.lm_head) is cls
+    assert type(head.fc) is (Bf16DotLinear if kind == "int4-dot" else cls)  # the head's own layers stay bf16
     assert any(type(m).__name__ == "FusedLinear" for m in model.modules())  # q/k/v, gate/up as one call each
     eagle_equals_vanilla(eng, batch=tree == "paper")
 
@@ -394,7 +426,9 @@ def test_gqa_sdpa_equals_transformers_sdpa_bitwise(family):
 @pytest.mark.parametrize("family,kind,kernel", [
     pytest.param("llama", "int4", "torch", marks=needs_int4), pytest.param("qwen2", "int4", "torch", marks=needs_int4),
     pytest.param("llama", "int4", "skinny", marks=needs_int4), pytest.param("llama", "bf16-dot", "skinny", marks=needs_bf16dot),
-    pytest.param("qwen2", "bf16-dot", "skinny", marks=needs_bf16dot)])
+    pytest.param("qwen2", "bf16-dot", "skinny", marks=needs_bf16dot),
+    pytest.param("llama", "int4-dot", "skinny", marks=needs_bf16dot),
+    pytest.param("qwen2", "int4-dot", "skinny", marks=needs_bf16dot)])
 def test_quantized_tree_rows_equal_one_by_one_decoding_bitwise(family, kind, kernel, monkeypatch):
     """The property EAGLE needs with bf16 activations (torch's int4 kernel) or bf16-rounded inputs
     (bf16-dot): a token verified inside a tree gets exactly the hidden state it gets when decoded
@@ -406,7 +440,7 @@ def test_quantized_tree_rows_equal_one_by_one_decoding_bitwise(family, kind, ker
     use_kernel(kernel, monkeypatch)
     model = tiny_target(family, seed=5)
     quantize_weights(model, kind)
-    exact = kernel == "torch" or kind == "bf16-dot"
+    exact = kernel == "torch" or kind.endswith("-dot")
     assert (model.config._attn_implementation == "eaglespec_exact") == exact
     dec = model.get_decoder()
     prompt = torch.tensor([[5, 9, 17, 33, 2, 8]])
@@ -497,12 +531,14 @@ def test_load_target_packs_by_default_exactly_where_the_skinny_kernel_runs(tiny_
     with pytest.raises(EaglespecError, match="bf16.*eaglespec's kernels"):
         load_target(str(tiny_dirs / "model"), quantize="bf16")
     monkeypatch.setattr(kernels, "bf16dot_available", lambda: False)
-    with pytest.raises(EaglespecError, match="bf16-dot.*AVX512-BF16"):
-        load_target(str(tiny_dirs / "model"), quantize="bf16-dot")
+    for kind in ("bf16-dot", "int4-dot"):
+        with pytest.raises(EaglespecError, match=f"{kind}.*AVX512-BF16"):
+            load_target(str(tiny_dirs / "model"), quantize=kind)
 
 
 @needs_skinny
-@pytest.mark.parametrize("quantize", ["none", "int4", "bf16", pytest.param("bf16-dot", marks=needs_bf16dot)])
+@pytest.mark.parametrize("quantize", ["none", "int4", "bf16", pytest.param("bf16-dot", marks=needs_bf16dot),
+                                      pytest.param("int4-dot", marks=needs_bf16dot)])
 def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_dirs, quantize):
     """`--compile` with eaglespec's kernels (custom ops to inductor): EAGLE equals that model's own
     vanilla, and the kernels really ran inside the compiled graphs."""
@@ -510,7 +546,7 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
 
     from eaglespec import kernels
     from eaglespec.models import compile_decoder, load_target
-    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4Linear, PackedLinear
+    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, PackedLinear
 
     torch._dynamo.reset()
     try:
@@ -523,7 +559,8 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
         else:
             model, _ = load_target(str(tiny_dirs / "model"), compile=True)
             head = good_head(model)
-        kind = {"none": PackedLinear, "int4": Int4Linear, "bf16": Bf16Linear, "bf16-dot": Bf16DotLinear}[quantize]
+        kind = {"none": PackedLinear, "int4": Int4Linear, "bf16": Bf16Linear, "bf16-dot": Bf16DotLinear,
+                "int4-dot": Int4DotLinear}[quantize]
         assert all(getattr(m, "skinny", True) for m in model.modules() if isinstance(m, kind)) and any(
             isinstance(m, kind) for m in model.model.layers.modules())
         before = torch._dynamo.utils.counters["frames"]["ok"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from .errors import EaglespecError
 
 SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
-QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot")  # quant.QUANTIZERS, named here so that --help needs no torch
+QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot", "int4-dot")  # quant.QUANTIZERS, named here so that --help needs no torch
 
 
 def default_head(model: str) -> str | None:
@@ -31,8 +31,9 @@ COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 m
                 "process on 2 cores). With eaglespec's kernels (--packed, --quantize int4) inductor fuses "
                 "the small ops around them: the fastest configuration measured (BENCHMARKS.md section 7)")
 QUANT_HELP = ("int8 | int4 | bf16: weight-only quantized target (every method, vanilla included, runs the same "
-              "quantized model; int4 and bf16 run on eaglespec's kernels); bf16-dot: bf16 weights and bf16-rounded "
-              "inputs to each linear layer (CPUs with AVX512-BF16; cheaper trees than bf16)")
+              "quantized model; int4 and bf16 run on eaglespec's kernels); bf16-dot / int4-dot: bf16 / int4 weights and "
+              "bf16-rounded inputs to each linear layer (CPUs with AVX512-BF16; cheaper trees than bf16 / int4; "
+              "int4-dot is the fastest here)")
 DRAFT_VOCAB_HELP = ("context (default): the tokens the head was trained to propose (the shipped SmolLM2 head: the "
                     "16k most frequent) plus those of the prompt and the text so far; head: the trained ones only; "
                     "full: every target token, with no retraining. Shipped head, MT-bench: tau 3.012 with context "

@@ -129,7 +129,7 @@ class Engine:
         quant = getattr(model.config, "eaglespec_quantization", None)
         if self.head is not None and (quant or getattr(model.config, "eaglespec_kernels", None) == "packed"):
             # a CPU-tuned target gets a CPU-tuned head: drafting must stay cheap next to a fast step
-            self.head.pack(quant if quant in ("int4", "bf16", "bf16-dot") else "packed")
+            self.head.pack(quant if quant in ("int4", "bf16", "bf16-dot", "int4-dot") else "packed")
         tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (batch 1)
         spec = parse_spec(tree)
         # a static tree is built once; a dynamic one is regrown by the head every round

@@ -96,6 +96,8 @@ def _lib() -> ctypes.CDLL | None:
     q4.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     q4.restype = None
+    if hasattr(lib, "skinny_linear_q4dot"):
+        lib.skinny_linear_q4dot.argtypes, lib.skinny_linear_q4dot.restype = q4.argtypes, None
     for extra in ("skinny_linear_bf16", "skinny_linear_bf16dot"):
         if hasattr(lib, extra):
             getattr(lib, extra).argtypes = fn.argtypes
@@ -168,11 +170,13 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tupl
     n, k = q.shape
     blocks = q.to(torch.uint8).reshape(n // BLOCK, BLOCK, k).transpose(1, 2)  # (N/32, K, 32)
     codes = (blocks[..., :16] | (blocks[..., 16:] << 4)).contiguous()
+    return codes, _per_block(scale), _per_block(minimum)
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:
-        return t.float().reshape(n // BLOCK, BLOCK, k // GROUP).transpose(1, 2).contiguous()
 
-    return codes, per_block(scale), per_block(minimum)
+def _per_block(t: torch.Tensor) -> torch.Tensor:
+    """Per-group values (N, K / 32) -> fp32 (N / 32, K / 32, 32): a block's 32 columns side by side."""
+    n, groups = t.shape
+    return t.float().reshape(n // BLOCK, BLOCK, groups).transpose(1, 2).contiguous()
 
 
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -211,6 +215,28 @@ def linear_bf16dot(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
         return torch.ops.eaglespec.skinny_linear_bf16dot(x, packed, bias)
     pairs = x.to(torch.bfloat16).contiguous().view(torch.int32)  # (M, K / 2), the pair order of `packed`
     return _run(_lib().skinny_linear_bf16dot, pairs, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
+
+
+def pack_q4dot(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Codes q (N, K) in 0..15 and per-group scale, minimum (N, K / 32) -> skinny_linear_q4dot's layout:
+    (N / 32, K / 2, 32) bytes (byte 2j + t of pair step p: input 2p + t of column j in the low nibble, of
+    column 16 + j in the high one), the scale and minimum - 128 * scale as (N / 32, K / 32, 32) fp32."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).reshape(n // BLOCK, BLOCK, k // 2, 2).transpose(1, 2)  # (N/32, K/2, 32, 2)
+    half = BLOCK // 2
+    codes = (blocks[:, :, :half] | (blocks[:, :, half:] << 4)).reshape(n // BLOCK, k // 2, BLOCK).contiguous()
+    return codes, _per_block(scale), _per_block(minimum.float() - 128 * scale.float())
+
+
+def linear_q4dot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shifted_min: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = bf16(x) @ w.T + bias for a 2-D fp32 x (M, K), w = q * scale + minimum packed by `pack_q4dot`
+    (its `shifted_min` is minimum - 128 * scale): x rounded to bf16, then summed against 128 + q."""
+    if torch.compiler.is_compiling():
+        return torch.ops.eaglespec.skinny_linear_q4dot(x, codes, scale, shifted_min, bias)
+    pairs = x.to(torch.bfloat16).contiguous().view(torch.int32)
+    return _run(_lib().skinny_linear_q4dot, pairs, codes.shape[1], codes.shape[0] * BLOCK,
+                (codes, scale, shifted_min), bias)
 
 
 def attention_available() -> bool:
@@ -255,12 +281,18 @@ for _name, _eager in (("skinny_linear", linear), ("skinny_linear_bf16", linear_b
     _register_packed_op(_name, _eager)
 
 
-@torch.library.custom_op("eaglespec::skinny_linear_q4", mutates_args=())
-def _skinny_linear_q4_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                         bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return linear_q4(x, codes, scale, minimum, bias)
+def _register_q4_op(name: str, eager: Callable) -> None:
+    """A custom op for a 4-bit kernel taking (x, codes, scale, minimum, bias)."""
+    def op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+           bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return eager(x, codes, scale, minimum, bias)
+
+    op = torch.library.custom_op(f"eaglespec::{name}", op, mutates_args=())
+
+    @op.register_fake
+    def _(x, codes, scale, minimum, bias):
+        return x.new_empty(x.shape[0], codes.shape[0] * BLOCK)
 
 
-@_skinny_linear_q4_op.register_fake
-def _(x, codes, scale, minimum, bias):
-    return x.new_empty(x.shape[0], codes.shape[0] * BLOCK)
+_register_q4_op("skinny_linear_q4", linear_q4)
+_register_q4_op("skinny_linear_q4dot", linear_q4dot)

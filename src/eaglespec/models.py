@@ -147,7 +147,8 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     (repetition penalty and the like) are not applied by eaglespec: it decodes the raw logits.
     ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``"bf16"``: weight-only bf16
     (`eaglespec.quant.Bf16Linear`, eaglespec's kernels); ``"bf16-dot"``: bf16 weights and bf16-rounded
-    inputs to every linear layer (`eaglespec.quant.Bf16DotLinear`, CPUs with AVX512-BF16);
+    inputs to every linear layer (`eaglespec.quant.Bf16DotLinear`, CPUs with AVX512-BF16); ``"int4-dot"``:
+    int4 weights and bf16-rounded inputs (`eaglespec.quant.Int4DotLinear`, the same CPUs);
     ``packed=True``: fp32 linear layers with weights pre-packed for a CPU kernel that streams them once
     for a whole draft tree (`eaglespec.kernels` with AVX-512 or AVX2, else oneDNN; see
     `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where eaglespec's kernel runs (a
@@ -168,9 +169,9 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         packed = device == "cpu" and quantize in (None, "none") and dtype == torch.float32 and kernels.available()
     if quantize == "bf16" and (device != "cpu" or not kernels.available()):
         raise EaglespecError("quantize='bf16' needs eaglespec's kernels (device cpu, x86-64 with AVX-512 or AVX2)")
-    if quantize == "bf16-dot" and (device != "cpu" or not kernels.bf16dot_available()):
-        raise EaglespecError("quantize='bf16-dot' needs eaglespec's AVX512-BF16 kernel (device cpu, a CPU with "
-                             "avx512_bf16); quantize='bf16' runs wherever AVX-512 or AVX2 does")
+    if quantize in ("bf16-dot", "int4-dot") and (device != "cpu" or not kernels.bf16dot_available()):
+        raise EaglespecError(f"quantize={quantize!r} needs eaglespec's AVX512-BF16 kernel (device cpu, a CPU with "
+                             f"avx512_bf16); quantize={quantize[:4]!r} runs wherever AVX-512 or AVX2 does")
     if compile and (quantize == "int8" or ((packed or quantize == "int4") and not kernels.available())):
         # inductor cannot lower oneDNN pre-packed or torch's int4-packed weights; eaglespec's own
         # kernels are custom ops it calls as they are

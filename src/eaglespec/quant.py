@@ -1,9 +1,9 @@
-"""Faster linear layers for a CPU target: weight-only int8 / int4 (gpt-fast's paths) and bf16, bf16
-weights with bf16-rounded inputs (bf16-dot), and fp32 pre-packing.
+"""Faster linear layers for a CPU target: weight-only int8 / int4 (gpt-fast's paths) and bf16, bf16 or
+int4 weights with bf16-rounded inputs (bf16-dot, int4-dot), and fp32 pre-packing.
 
 Decoding a small model on a CPU streams every weight once per forward; int8 weights stream a
-quarter of fp32's bytes, int4 an eighth, bf16 half. Activations stay in the model's dtype (bf16-dot
-rounds each linear layer's input to bf16 inside the kernel, nothing else). A quantized target is its own
+quarter of fp32's bytes, int4 an eighth, bf16 half. Activations stay in the model's dtype (the -dot
+kinds round each linear layer's input to bf16 inside the kernel, nothing else). A quantized target is its own
 vanilla: EAGLE stays lossless with respect to the target as it runs, and the benchmark's vanilla
 uses the same quantized target, so speedup ratios stay honest.
 """
@@ -67,6 +67,8 @@ class Int4Linear(nn.Module):
     decoding them one by one.
     """
 
+    dot = False  # Int4DotLinear: bf16-rounded inputs (kernels.linear_q4dot)
+
     def __init__(self, linear: nn.Linear, group_size: int = 32, keep_weight: bool = True):
         super().__init__()
         w = linear.weight.detach().float()
@@ -78,11 +80,15 @@ class Int4Linear(nn.Module):
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15).clamp_min(1e-8)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
-        self.skinny = kernels.available() and kernels.fits_q4(n, k) and group_size == kernels.GROUP
+        fits = kernels.fits_q4(n, k) and group_size == kernels.GROUP
+        self.skinny = fits and (kernels.bf16dot_available() if self.dot else kernels.available())
+        if self.dot and not self.skinny:
+            raise EaglespecError(f"int4-dot needs eaglespec's AVX512-BF16 kernel and a {n} x {k} layer in whole "
+                                 f"blocks of {kernels.BLOCK} outputs and {kernels.GROUP} inputs")
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self._q = q.to(torch.uint8) if keep_weight else None
-        if self.skinny:
-            codes, sp, mp = kernels.pack_q4(q, scale, lo)
+        if self.skinny:  # the dot kernel's minimum is stored shifted: minimum - 128 * scale
+            codes, sp, mp = (kernels.pack_q4dot if self.dot else kernels.pack_q4)(q, scale, lo)
             self.register_buffer("codes", codes)
             self.register_buffer("scale", sp)
             self.register_buffer("minimum", mp)
@@ -108,7 +114,7 @@ class Int4Linear(nn.Module):
         q = self._q[ids].view(ids.numel(), -1, self.group_size).float()
         if self.skinny:  # (N/32, K/g, 32) -> (N, K/g, 1)
             s, m = (t.transpose(1, 2).reshape(self.out_features, -1, 1)[ids] for t in (self.scale, self.minimum))
-            w = torch.addcmul(m, q, s)  # q * s + m, one rounding, as the kernel's fused multiply-add
+            w = torch.addcmul(m, q + 128 if self.dot else q, s)  # q * s + m, one rounding, as the q4 kernel's fma
         else:
             sz = self.scales_and_zeros.float().transpose(0, 1)[ids]  # (n, K/g, 2)
             w = (q - 8) * sz[..., :1] + sz[..., 1:]
@@ -118,7 +124,8 @@ class Int4Linear(nn.Module):
         shape = x.shape
         if self.skinny:
             x2 = x.reshape(-1, shape[-1])
-            y = kernels.linear_q4(x2 if x2.dtype == torch.float32 else x2.float(), *self._operands)
+            kernel = kernels.linear_q4dot if self.dot else kernels.linear_q4
+            y = kernel(x2 if x2.dtype == torch.float32 else x2.float(), *self._operands)
             return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group_size, self.scales_and_zeros)
@@ -126,6 +133,16 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+
+class Int4DotLinear(Int4Linear):
+    """int4 weights (`Int4Linear`'s codes, scales and minima) and the input rounded to bf16
+    (`kernels.linear_q4dot`, AVX512-BF16): the codes become bf16 128 + q with two integer
+    instructions, VDPBF16PS sums x * (128 + q) exactly per product, and the scale and minimum are
+    applied once per group of 32 inputs. A one-token step streams int4's bytes with little
+    arithmetic, and a tree's rows share the unpacking. Rows are summed alike whatever their number."""
+
+    dot = True
 
 
 class Bf16Linear(nn.Module):
@@ -234,20 +251,20 @@ def int4_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot")
+QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot", "int4-dot")
 
 
 def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True, fuse: bool = True) -> nn.Module:
-    """Replace the decoder's linear layers (and the LM head) by `Int8Linear`, `Int4Linear`, `Bf16Linear`
-    or `Bf16DotLinear` (`kind` = one of QUANTIZERS), in place.
+    """Replace the decoder's linear layers (and the LM head) by `Int8Linear`, `Int4Linear`, `Bf16Linear`,
+    `Bf16DotLinear` or `Int4DotLinear` (`kind` = one of QUANTIZERS), in place.
 
     The input embedding stays as it is (a lookup reads one row, not the whole matrix), so a tied
     LM head gets its own quantized copy. ``fuse``: q/k/v and gate/up as one int4 matmul each (eager
     decoding; a model for `torch.compile` keeps them apart, since the fused parts share a cache
     by tensor identity that the compiler need not see).
     """
-    make = dict(zip(QUANTIZERS, (Int8Linear, Int4Linear, Bf16Linear, Bf16DotLinear)))[kind]
-    inner = partial(Int4Linear, keep_weight=False) if kind == "int4" else make  # nothing reads decoder weights
+    make = dict(zip(QUANTIZERS, (Int8Linear, Int4Linear, Bf16Linear, Bf16DotLinear, Int4DotLinear)))[kind]
+    inner = partial(make, keep_weight=False) if kind in ("int4", "int4-dot") else make  # nothing reads decoder weights
     decoder = model.get_decoder()
     if kind != "int8" and fuse:
         fuse_projections(decoder, inner)
@@ -256,8 +273,8 @@ def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True,
         model.set_output_embeddings(make(model.get_output_embeddings()))
         model.config.tie_word_embeddings = False  # stop transformers re-tying it to the embedding
     torch_int4 = kind == "int4" and not all(m.skinny for m in model.modules() if isinstance(m, Int4Linear))
-    if torch_int4 or kind == "bf16-dot":
-        # bf16 activations (torch's int4 kernel) or inputs rounded to bf16 (bf16-dot) turn attention's
+    if torch_int4 or kind.endswith("-dot"):
+        # bf16 activations (torch's int4 kernel) or inputs rounded to bf16 (the -dot kinds) turn attention's
         # ~1e-7 differences between a tree and a step into whole bf16 ulps: row-exact attention
         from .attention import register
 

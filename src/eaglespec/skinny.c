@@ -18,6 +18,7 @@
  */
 #include <immintrin.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #define NR 32   /* output columns per block */
 #define PFD 64  /* prefetch distance in k steps (64 * 128 bytes ahead) */
@@ -131,6 +132,77 @@ SKINNY(skinny_linear_bf16, float, unsigned short)
 #define DOTBF16(b, w, acc) _mm512_dpbf16_ps((acc), (__m512bh)(w), (__m512bh)(b))
 #define skinny_linear_bf16dot_STEPS(R) WSTEPS_OP(R, unsigned int, WPAIRS, XPAIR, DOTBF16)
 SKINNY(skinny_linear_bf16dot, unsigned int, unsigned int)
+
+/* The int4-dot variant: int4-dot is to int4 what bf16-dot is to bf16. x is (M, K / 2) pairs of bf16;
+ * qp (N / 32, K / 2, 32) bytes: byte 2j + t of pair step p holds input 2p + t of column j in its low
+ * nibble and of column 16 + j in its high one; sp, mp (N / 32, K / 32, 32) fp32: scale s and
+ * m' = minimum - 128 * s. A code q becomes the bf16 128 + q exactly (q in the low mantissa bits of
+ * 128.0, no conversion), so VDPBF16PS sums x * (128 + q) over a group of 32 inputs exactly as
+ * products, in fp32; then y += s * sum + m' * (sum of the group's x), the group sums computed per row
+ * before the blocks. Two weight vectors cost 4 integer instructions from 32 bytes: a one-token step
+ * streams a third of bf16's bytes, and a tree's rows share the dequantization. K here is the pair
+ * count, K % 16 == 0; every row is summed alike whatever the row count. */
+#define MRD 6   /* 2 sums + 2 group sums per row in registers */
+static inline void block_q4dot(int mr, const unsigned int *x, const float *xs, long K, const unsigned char *qp,
+                               const float *sp, const float *mp, float *y, long ldy, const float *bias) {
+    __m512 acc[MRD][2];
+    const __m512i low = _mm512_set1_epi16(0x000F), magic = _mm512_set1_epi16(0x4300);
+    const long G = K / 16;
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+#define STEPS_Q4DOT(R)                                                                        \
+    for (long g = 0; g < G; g++) {                                                            \
+        __m512 gs[R][2];                                                                      \
+        for (int i = 0; i < (R); i++) gs[i][0] = gs[i][1] = _mm512_setzero_ps();              \
+        for (long k = g * 16; k < g * 16 + 16; k++) {                                         \
+            if (!(k & 1)) _mm_prefetch((const char *)(qp + (k + 2 * PFD) * 32), _MM_HINT_T0);  \
+            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qp + k * 32))); \
+            __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(b, low, magic, 0xEA);          \
+            __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 4), magic);          \
+            _Pragma("GCC unroll 6") for (int i = 0; i < (R); i++) {                           \
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[i * K + k]);                  \
+                gs[i][0] = _mm512_dpbf16_ps(gs[i][0], w0, xb);                                \
+                gs[i][1] = _mm512_dpbf16_ps(gs[i][1], w1, xb);                                \
+            }                                                                                 \
+        }                                                                                     \
+        __m512 s0 = _mm512_loadu_ps(sp + g * NR), s1 = _mm512_loadu_ps(sp + g * NR + 16);     \
+        __m512 m0 = _mm512_loadu_ps(mp + g * NR), m1 = _mm512_loadu_ps(mp + g * NR + 16);     \
+        _Pragma("GCC unroll 6") for (int i = 0; i < (R); i++) {                               \
+            __m512 sx = _mm512_set1_ps(xs[i * G + g]);                                        \
+            acc[i][0] = _mm512_fmadd_ps(sx, m0, _mm512_fmadd_ps(gs[i][0], s0, acc[i][0]));    \
+            acc[i][1] = _mm512_fmadd_ps(sx, m1, _mm512_fmadd_ps(gs[i][1], s1, acc[i][1]));    \
+        }                                                                                     \
+    }
+    switch (mr) {
+        case 1: STEPS_Q4DOT(1) break; case 2: STEPS_Q4DOT(2) break; case 3: STEPS_Q4DOT(3) break;
+        case 4: STEPS_Q4DOT(4) break; case 5: STEPS_Q4DOT(5) break; default: STEPS_Q4DOT(MRD) break;
+    }
+    store(mr, acc, y, ldy, bias);
+}
+
+void skinny_linear_q4dot(const unsigned int *x, long M, long K, const unsigned char *qp, const float *sp,
+                         const float *mp, long N, const float *bias, float *y, int threads) {
+    long blocks = N / NR, G = K / 16;
+    float *xs = (float *)malloc(sizeof(float) * (M * G + 1));
+    for (long i = 0; i < M * G; i++) { /* each group's sum of x, in one order for every row count */
+        float sum = 0.0f;
+        for (int t = 0; t < 16; t++) {
+            unsigned int pair = x[i * 16 + t];
+            union { unsigned int u; float f; } lo = {pair << 16}, hi = {pair & 0xFFFF0000u};
+            sum += lo.f;
+            sum += hi.f;
+        }
+        xs[i] = sum;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        for (long m0 = 0; m0 < M; m0 += MRD) {
+            int mr = (M - m0) < MRD ? (int)(M - m0) : MRD;
+            block_q4dot(mr, x + m0 * K, xs + m0 * G, K, qp + b * K * 32, sp + b * G * NR, mp + b * G * NR,
+                        y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);
+        }
+    }
+    free(xs);
+}
 #endif
 
 /* The 4-bit variant. qp: (N / 32, K, 16) bytes, byte j of step k holding column j in its low

@@ -89,7 +89,7 @@ class BenchConfig:
     out: str = "bench_out"
     warmup: int = 1
     first_turn_only: bool = False
-    quantize: str = "none"  # "int8" / "int4" / "bf16" / "bf16-dot": every method runs the same quantized target
+    quantize: str = "none"  # one of quant.QUANTIZERS: every method runs the same quantized target
     packed: bool | None = None  # every method runs the same target with pre-packed fp32 weights; None: auto
     compile: bool = False  # every method runs the same torch.compile'd target
     packed_kernel: str = ""  # set by run_bench: "skinny" / "skinny-avx2" (eaglespec's kernels) or "oneDNN"
@@ -404,7 +404,7 @@ def report_markdown(result: dict) -> str:
                   if kernel.startswith("skinny") else " (torch's int4 kernel)")
     elif cfg.get("quantize") == "bf16":
         packed = f" (eaglespec's bf16 kernel{', AVX2' if (cfg.get('packed_kernel') or '').endswith('avx2') else ''})"
-    elif cfg.get("quantize") == "bf16-dot":
+    elif cfg.get("quantize") in ("bf16-dot", "int4-dot"):
         packed = " (bf16 inputs too: eaglespec's AVX512-BF16 kernel)"
     vocab = {"full": " (full draft vocabulary)", "head": " (the head's draft vocabulary, no context tokens)"}.get(
         cfg.get("draft_vocab"), "")
