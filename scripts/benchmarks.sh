@@ -3,7 +3,7 @@
 # with STAGES="tau"). Run on an idle machine: other CPU load distorts every ratio.
 set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
-STAGES=${STAGES:-"profile ablation ablation-int4 compile main int4 int4-t1 bf16 bf16-dot batch tau"}
+STAGES=${STAGES:-"profile ablation ablation-int4 compile main int4 int4-t1 bf16 bf16-dot int4-dot batch tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
 TREE=${TREE:-auto+lookup}  # the eagle row of the main table: the best tree of the ablation, plus prompt-lookup grafts
 TREE4=${TREE4:-auto+lookup}  # the same for the int4 target (its own ablation)
@@ -36,8 +36,10 @@ for stage in $STAGES; do
       eaglespec profile --quantize int4 --out "$OUT/profile-int4" | tee "$OUT/profile-int4.md"
       eaglespec profile --quantize bf16 --out "$OUT/profile-bf16" | tee "$OUT/profile-bf16.md"
       if [ -n "$(python -c 'from eaglespec.kernels import bf16dot_available as a; print(a() or "")')" ]; then
-        eaglespec profile --quantize bf16-dot --out "$OUT/profile-bf16-dot" | tee "$OUT/profile-bf16-dot.md"
-        DOT=(bf16-dot="$OUT/profile-bf16-dot/cost_curve.json")
+        for kind in bf16-dot int4-dot; do
+          eaglespec profile --quantize $kind --out "$OUT/profile-$kind" | tee "$OUT/profile-$kind.md"
+          DOT+=($kind="$OUT/profile-$kind/cost_curve.json")
+        done
       fi
       eaglespec profile --compare fp32="$OUT/profile/cost_curve.json" packed="$OUT/profile-packed/cost_curve.json" \
         int8="$OUT/profile-int8/cost_curve.json" int4="$OUT/profile-int4/cost_curve.json" \
@@ -73,6 +75,12 @@ for stage in $STAGES; do
     bf16-dot)  # bf16 weights and bf16-rounded linear inputs (AVX512-BF16; its own vanilla): cheaper trees than bf16
       eaglespec bench --quantize bf16-dot --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
         --temperature 0 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,llamacpp --out "$OUT/bf16-dot" ;;
+    int4-dot)  # int4 weights and bf16-rounded linear inputs (AVX512-BF16; its own vanilla): int4's bytes, bf16-dot's trees
+      eaglespec bench --quantize int4-dot --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+        --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,llamacpp --out "$OUT/int4-dot" ;;
+    int4-dot-compile)  # the same, torch.compile'd (cold compilation included in the process, not in the numbers)
+      eaglespec bench --quantize int4-dot --compile --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+        --temperature 0 --tree "$TREE4" --methods vanilla,eagle,eagle@auto,llamacpp --out "$OUT/int4-dot-compile" ;;
     int8)      # weight-only int8 (slower than fp32 on this CPU: not in the default stages)
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;

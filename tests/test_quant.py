@@ -393,6 +393,44 @@ def test_exact_attention_rows_equal_single_row_calls_where_sdpa_does_not(path, m
                                                                buf_v[:, :, :p + 4], mask2)[0][1])
 
 
+@pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).attention_available(), reason="needs AVX-512")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_engine_plans_exact_attention_once_per_forward_with_the_layers_own_bits(family, monkeypatch):
+    """The engine packs attend_rows' plan before the forward (so a compiled decoder needs no
+    data-dependent code inside) and hands it to every layer; the result must be the bits the layers
+    get planning for themselves from the mask transformers gives them: a tree over a cache, batch 2."""
+    from eaglespec import attention
+    from eaglespec.cache import KVCache
+    from eaglespec.tree import float_mask, prefix_tree_mask
+
+    model = tiny_target(family, seed=7)
+    model.set_attn_implementation(attention.register())
+    eng = Engine(model, None)
+    assert eng._plan_rows
+    planned = []
+    real = attention.pack_plan
+    monkeypatch.setattr(attention, "pack_plan", lambda *a: planned.append(a[1:]) or real(*a))
+    allowed = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    prompt = torch.tensor([[5, 9, 17, 33, 2, 8], [7, 3, 21, 4, 6, 10]])
+    tree = torch.tensor([[40, 41, 42], [50, 51, 52]])
+    mask = float_mask(prefix_tree_mask(allowed, 6), torch.float32).expand(2, -1, -1, -1)
+    pos = torch.tensor([[6, 7, 7]] * 2)
+    outs, calls = [], []
+    with torch.no_grad():
+        for engine_plans in (True, False):
+            cache = KVCache(32)
+            eng.decoder(input_ids=prompt, past_key_values=cache, use_cache=True)
+            planned.clear()
+            if engine_plans:
+                outs.append(eng._forward(tree, pos, cache, mask))
+            else:
+                outs.append(eng.decoder(input_ids=tree, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                                        use_cache=True).last_hidden_state)
+            calls.append(list(planned))
+    assert calls == [[(2, 3, 9)]] * 2  # batch 2, 3 rows, 9 keys: once per forward, by the engine / the first layer
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_gqa_sdpa_equals_transformers_sdpa_bitwise(family):
     """"eaglespec_sdpa" skips transformers' K/V copy for grouped heads; the outputs must not move by
@@ -573,6 +611,8 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
             kernels._run = real
         assert torch._dynamo.utils.counters["frames"]["ok"] > before  # compiled graphs ran
         assert calls  # and they call the custom ops, which run the kernels
+        # whole graphs: row-exact attention (the -dot kinds) takes the engine's plan, no data-dependent code
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
         for tree in ("paper", "chain:2"):
             assert Engine(model, head, tree=tree).generate(PROMPTS[0], 16).token_ids == vanilla, tree
     finally:

@@ -33,7 +33,7 @@ NAME = "eaglespec_exact"
 GQA_NAME = "eaglespec_sdpa"
 MAX_EXACT_ROWS = 64  # query blocks up to this size take the row-by-row path
 
-_plan_memo: tuple | None = None  # (mask, key shape, plan, packed plan or None): one plan per forward
+_plan_memo: tuple | None = None  # (mask, key shape, plan): one plan per forward where no eaglespec_plan comes
 
 
 def _plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> list[tuple[int, int, int, torch.Tensor | None]]:
@@ -58,24 +58,35 @@ def _plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> list[tuple[
     return plan
 
 
-def _kernel_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """skinny.c's attend_rows: fp32 on the CPU, head size a multiple of 16 up to 256, contiguous rows."""
+def kernel_fits(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """skinny.c's attend_rows: fp32 on the CPU, head size a multiple of 16 up to 256 (and rows of keys
+    and values contiguous, which `_kernel_fits` checks per call)."""
+    return (dtype == torch.float32 and torch.device(device).type == "cpu" and head_dim % 16 == 0
+            and head_dim <= 256 and kernels.attention_available())
+
+
+def _layout_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     d = query.shape[-1]
-    return (query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu"
-            and d % 16 == 0 and d <= 256 and value.shape[-1] == d and key.stride(-1) == value.stride(-1) == 1
-            and key.stride(-2) == value.stride(-2) == d and kernels.attention_available())
+    return (query.dtype == key.dtype == value.dtype and value.shape[-1] == d and key.stride(-1) == value.stride(-1) == 1
+            and key.stride(-2) == value.stride(-2) == d)
 
 
-def _pack_plan(plan: list) -> tuple[tuple[torch.Tensor, ...], int]:
-    """The plan as attend_rows' int64 arrays (batch, query, n, tail offsets, tails) and the longest key list."""
+def _kernel_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    return _layout_fits(query, key, value) and kernel_fits(query.dtype, query.device, query.shape[-1])
+
+
+def pack_plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> tuple[torch.Tensor, ...]:
+    """attend_rows' int64 arrays (batch, query, n, tail offsets, tails) for `m` new rows of a
+    `length`-key cache under `mask`. `Engine` computes it once per forward, outside any compiled
+    graph, and hands it to every layer as the ``eaglespec_plan`` keyword."""
+    plan = _plan(mask, b, m, length)
     tails = [t.tolist() if t is not None else [] for *_, t in plan]
     offsets = [0]
     for t in tails:
         offsets.append(offsets[-1] + len(t))
     cols = [torch.tensor([p[j] for p in plan], dtype=torch.long) for j in range(3)]
     flat = torch.tensor([x for t in tails for x in t] or [0], dtype=torch.long)
-    lmax = max(p[2] + len(t) for p, t in zip(plan, tails))
-    return (*cols, torch.tensor(offsets, dtype=torch.long), flat), lmax
+    return (*cols, torch.tensor(offsets, dtype=torch.long), flat)
 
 
 def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -85,21 +96,22 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     b, h, m, d = query.shape
     if m > MAX_EXACT_ROWS:
         return gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+    scale = scaling if scaling is not None else d ** -0.5
+    packed = kwargs.get("eaglespec_plan")
+    if packed is not None and _layout_fits(query, key, value):  # the engine checked the rest; compiles too
+        return kernels.attend_rows(query, key, value, packed, scale), None
     global _plan_memo
     length = key.shape[2]
     shape = (b, m, length)
     if _plan_memo is not None and _plan_memo[0] is attention_mask and _plan_memo[1] == shape:
-        plan = _plan_memo[2]
+        packed = _plan_memo[2]
     else:
-        plan = _plan(attention_mask, b, m, length)
-        _plan_memo = (attention_mask, shape, plan, None)  # holding the mask keeps its id unique
-    if _kernel_fits(query, key, value):
-        packed = _plan_memo[3]
-        if packed is None:
-            packed = _pack_plan(plan)
-            _plan_memo = (*_plan_memo[:3], packed)
-        return kernels.attend_rows(query, key, value, packed[0], packed[1],
-                                   scaling if scaling is not None else d ** -0.5), None
+        fits = _kernel_fits(query, key, value)
+        packed = pack_plan(attention_mask, b, m, length) if fits else _plan(attention_mask, b, m, length)
+        _plan_memo = (attention_mask, shape, packed)  # holding the mask keeps its id unique
+    if isinstance(packed, tuple):
+        return kernels.attend_rows(query, key, value, packed, scale), None
+    plan = packed
     gqa = key.shape[1] != h
     out = query.new_empty(b, m, h, value.shape[-1])
     for r, i, n, tail in plan:

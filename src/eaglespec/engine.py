@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 from transformers import PreTrainedModel
 
+from . import attention
 from .cache import KVCache
 from .errors import EaglespecError
 from .head import EagleDraftHead
@@ -152,6 +153,12 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
         self._cuda = self.device.type == "cuda"
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # row-exact attention on skinny.c's kernel: its plan is made here once per forward, outside
+        # any compiled graph (see attention.pack_plan), instead of by the first layer
+        self._plan_rows = (getattr(cfg, "_attn_implementation", None) == attention.NAME
+                           and attention.kernel_fits(self.dtype, self.device, head_dim))
 
     # -- helpers ----------------------------------------------------------------------------------
     def _clock(self) -> float:
@@ -169,8 +176,12 @@ class Engine:
         """Target forward on new tokens x (B, q) -> final-norm hidden states (features), (B, q, H),
         followed with `aux` by the layers the head fuses (if any), (B, q, H * (1 + k))."""
         aux = aux and bool(self.aux_layers)  # vanilla decoding never pays for them
+        b, q = x.shape
+        plan = {}
+        if self._plan_rows and q <= attention.MAX_EXACT_ROWS:
+            plan["eaglespec_plan"] = attention.pack_plan(mask, b, q, cache.get_seq_length() + q)
         out = self.decoder(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                           use_cache=True, output_hidden_states=aux)
+                           use_cache=True, output_hidden_states=aux, **plan)
         if not aux:
             return out.last_hidden_state
         return torch.cat([out.last_hidden_state] + [out.hidden_states[i] for i in self.aux_layers], -1)

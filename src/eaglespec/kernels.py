@@ -245,11 +245,14 @@ def attention_available() -> bool:
 
 
 def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: tuple[torch.Tensor, ...],
-                lmax: int, scale: float) -> torch.Tensor:
+                scale: float) -> torch.Tensor:
     """Row-exact attention (skinny.c's attend_rows): query (B, H, M, D) fp32, key / value (B, Hkv, L, D)
-    with contiguous rows of D; plan = int64 (batch, query, n, offsets, tails) from `attention._plan`.
+    with contiguous rows of D; plan = int64 (batch, query, n, offsets, tails) from `attention.pack_plan`.
     Returns (B, M, H, D)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.eaglespec.attend_rows(query, key, value, *plan, scale)
     b, h, m, d = query.shape
+    lmax = int((plan[2] + plan[3][1:] - plan[3][:-1]).max())  # the longest key list: prefix + tail
     q = query.transpose(1, 2).contiguous()
     out = torch.empty_like(q)
     threads = torch.get_num_threads()
@@ -296,3 +299,16 @@ def _register_q4_op(name: str, eager: Callable) -> None:
 
 _register_q4_op("skinny_linear_q4", linear_q4)
 _register_q4_op("skinny_linear_q4dot", linear_q4dot)
+
+
+@torch.library.custom_op("eaglespec::attend_rows", mutates_args=())
+def _attend_rows_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: torch.Tensor,
+                    row: torch.Tensor, n: torch.Tensor, offsets: torch.Tensor, tails: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    return attend_rows(query, key, value, (batch, row, n, offsets, tails), scale)
+
+
+@_attend_rows_op.register_fake
+def _(query, key, value, batch, row, n, offsets, tails, scale):
+    b, h, m, d = query.shape
+    return query.new_empty(b, m, h, d)
