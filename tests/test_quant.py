@@ -238,6 +238,25 @@ def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
     eagle_equals_vanilla(eng, batch=tree == "paper")
 
 
+@needs_skinny
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["int4", "bf16", pytest.param("bf16-dot", marks=needs_bf16dot),
+                                  pytest.param("int4-dot", marks=needs_bf16dot)])
+def test_fused_projections_give_the_unfused_bits(family, kind):
+    """q/k/v and gate/up as one call each (`_Part`s, `GatedMLP`): every output column is summed by
+    the same instructions as in its own layer, so the model's logits do not move by a bit."""
+    from eaglespec.quant import GatedMLP
+
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8, 11, 40]])
+    logits = []
+    for fuse in (True, False):
+        model = quantize_weights(tiny_target(family, seed=8), kind, fuse=fuse)
+        assert all(type(layer.mlp) is GatedMLP for layer in model.model.layers) == fuse
+        with torch.no_grad():
+            logits.append(torch.cat([model(ids).logits, model(ids[:, :1]).logits], 1))
+    assert torch.equal(*logits)
+
+
 def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
     from eaglespec import kernels
 

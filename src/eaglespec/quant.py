@@ -230,6 +230,24 @@ class _Part(nn.Module):
         return self._fused[0].part(x, self.i)
 
 
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")  # forward: down(act(gate(x)) * up(x))
+
+
+class GatedMLP(nn.Module):
+    """transformers' gated MLP, down(act(gate(x)) * up(x)), calling gate and up as one fused layer
+    directly: the same kernels and numbers as `_Part`s, without their round trip (one MLP call on
+    one token: 100 -> ~70 µs here, ~1 ms of a SmolLM2 decode step)."""
+
+    def __init__(self, mlp: nn.Module, gate_up: FusedLinear):
+        super().__init__()
+        self.gate_up, self.down_proj, self.act_fn = gate_up.fused, mlp.down_proj, mlp.act_fn
+        self.split = gate_up.splits[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)
+        return self.down_proj(self.act_fn(gu[..., :self.split]) * gu[..., self.split:])
+
+
 def fuse_projections(decoder: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
     """Fuse q/k/v and gate/up of every decoder layer that has them (Llama, Qwen2, Mistral, ...)."""
     groups = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
@@ -242,6 +260,9 @@ def fuse_projections(decoder: nn.Module, make: Callable[[nn.Linear], nn.Module])
             if len({m.in_features for m in parts}) != 1 or len({m.bias is None for m in parts}) != 1:
                 continue
             fused = FusedLinear(parts, make)
+            if holder_name == "mlp" and type(holder).__name__ in GATED_MLPS:
+                layer.mlp = GatedMLP(holder, fused)
+                continue
             holder.add_module("fused_" + "_".join(n.split("_")[0] for n in names), fused)
             for i, n in enumerate(names):
                 setattr(holder, n, _Part(fused, i))
