@@ -6,7 +6,8 @@ this project's 2-core Xeon torch's default fp32 kernel costs 1.6x a one-token st
 can afford. `skinny.c` streams each weight once whatever the row count (up to ~16 rows) and is no
 slower for one row: `linear` for fp32 weights (`quant.PackedLinear`), `linear_q4` for 4-bit ones
 (`quant.Int4Linear`), `linear_bf16` for bf16 ones (`quant.Bf16Linear`), and with AVX512-BF16
-`linear_bf16dot` for bf16 weights and bf16-rounded inputs (`quant.Bf16DotLinear`).
+`linear_bf16dot` / `linear_q4dot` for bf16 / 4-bit weights and bf16-rounded inputs
+(`quant.Bf16DotLinear`, `quant.Int4DotLinear`). Also `attend_rows`, row-exact attention.
 
 The shared library is compiled once per machine into ``$EAGLESPEC_CACHE/kernels`` (about half a
 second with gcc), named by a hash of the source and flags, written atomically. Where it cannot be

@@ -3,7 +3,8 @@
  * (skinny_linear_q4, dequantized in registers), or bf16 (skinny_linear_bf16: widened to fp32 in
  * registers, exactly, by a 16-bit shift; the sums are then those of fp32 weights). With AVX512-BF16,
  * skinny_linear_bf16dot takes x rounded to bf16 too and sums products of pairs (VDPBF16PS): half
- * the multiply-add instructions, for trees whose verify the arithmetic, not memory, limits.
+ * the multiply-add instructions, for trees whose verify the arithmetic, not memory, limits; and
+ * skinny_linear_q4dot does the same over 4-bit weights (int4's bytes, bf16-dot's arithmetic).
  *
  * Decoding a small model streams every weight once per forward. BLAS kernels are tuned for big
  * matrices: on a 2-core Xeon, torch's default path costs 1.6x a one-token step at 4 rows and 2x
