@@ -109,7 +109,7 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         fits = _kernel_fits(query, key, value)
         packed = pack_plan(attention_mask, b, m, length) if fits else _plan(attention_mask, b, m, length)
         _plan_memo = (attention_mask, shape, packed)  # holding the mask keeps its id unique
-    if isinstance(packed, tuple):
+    if isinstance(packed, tuple):  # pack_plan's arrays; a list is _plan's rows, for one SDPA call each
         return kernels.attend_rows(query, key, value, packed, scale), None
     plan = packed
     gqa = key.shape[1] != h

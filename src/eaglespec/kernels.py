@@ -105,8 +105,7 @@ def _lib() -> ctypes.CDLL | None:
             getattr(lib, extra).restype = None
     if hasattr(lib, "attend_rows"):
         P, L = ctypes.c_void_p, ctypes.c_long
-        lib.attend_rows.argtypes = [P, L, L, L, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_float, P, P, L,
-                                    ctypes.c_int]
+        lib.attend_rows.argtypes = [P, L, L, L, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_float, P, ctypes.c_int]
         lib.attend_rows.restype = None
     return lib
 
@@ -253,16 +252,12 @@ def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pla
     if torch.compiler.is_compiling():
         return torch.ops.eaglespec.attend_rows(query, key, value, *plan, scale)
     b, h, m, d = query.shape
-    lmax = int((plan[2] + plan[3][1:] - plan[3][:-1]).max())  # the longest key list: prefix + tail
     q = query.transpose(1, 2).contiguous()
     out = torch.empty_like(q)
-    threads = torch.get_num_threads()
-    scratch = torch.empty(threads * max(lmax, 1), dtype=torch.float32)
     pb, pi, pn, po, pt = plan
     _lib().attend_rows(q.data_ptr(), m, h, d, key.data_ptr(), value.data_ptr(), key.shape[1], key.stride(0),
                        key.stride(1), value.stride(0), value.stride(1), pb.numel(), pb.data_ptr(), pi.data_ptr(),
-                       pn.data_ptr(), po.data_ptr(), pt.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(), lmax,
-                       threads)
+                       pn.data_ptr(), po.data_ptr(), pt.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -263,7 +263,7 @@ void skinny_linear_q4(const float *x, long M, long K, const unsigned char *qp, c
  *
  * q, out: (B, M, H, D) fp32; k, v: fp32 with rows of D at position stride D, batch stride kb / vb and
  * head stride kh / vh; plan row r: batch pb[r], query pi[r], n = pn[r], tail = pt[po[r]..po[r+1]).
- * scratch: threads * lmax floats. D % 16 == 0, D <= 256. */
+ * D % 16 == 0, D <= 256. */
 static inline __m512 exp512(__m512 x) { /* Cephes' expf: Cody-Waite reduction, degree-6 polynomial */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -282,8 +282,10 @@ static inline __m512 exp512(__m512 x) { /* Cephes' expf: Cody-Waite reduction, d
 
 void attend_rows(const float *q, long M, long H, long D, const float *k, const float *v, long Hkv, long kb,
                  long kh, long vb, long vh, long R, const long *pb, const long *pi, const long *pn, const long *po,
-                 const long *pt, float scale, float *out, float *scratch, long lmax, int threads) {
-    long C = D / 16, group = H / Hkv;
+                 const long *pt, float scale, float *out, int threads) {
+    long C = D / 16, group = H / Hkv, lmax = 1;
+    for (long r = 0; r < R; r++) lmax = pn[r] + po[r + 1] - po[r] > lmax ? pn[r] + po[r + 1] - po[r] : lmax;
+    float *scratch = (float *)malloc(sizeof(float) * threads * lmax); /* each thread's scores */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long task = 0; task < R * H; task++) {
         long r = task / H, h = task % H, b = pb[r], n = pn[r], t = po[r + 1] - po[r];
@@ -318,5 +320,6 @@ void attend_rows(const float *q, long M, long H, long D, const float *k, const f
         float *o = out + ((b * M + pi[r]) * H + h) * D;
         for (long c = 0; c < C; c++) _mm512_storeu_ps(o + c * 16, _mm512_div_ps(acc[c], total));
     }
+    free(scratch);
 }
 #endif
