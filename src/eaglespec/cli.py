@@ -29,7 +29,8 @@ PACK_HELP = ("fp32 weights pre-packed (CPU) for eaglespec's AVX-512 / AVX2 kerne
              "`eaglespec profile --packed` measures yours")
 COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 minutes of compilation per "
                 "process on 2 cores). With eaglespec's kernels (--packed, --quantize int4) inductor fuses "
-                "the small ops around them: the fastest configuration measured (BENCHMARKS.md section 7)")
+                "the small ops around them: int4 + compile was the fastest on session 14's Xeon; int4-dot gains "
+                "nothing from it (BENCHMARKS.md section 7)")
 QUANT_HELP = ("int8 | int4 | bf16: weight-only quantized target (every method, vanilla included, runs the same "
               "quantized model; int4 and bf16 run on eaglespec's kernels); bf16-dot / int4-dot: bf16 / int4 weights and "
               "bf16-rounded inputs to each linear layer (CPUs with AVX512-BF16; cheaper trees than bf16 / int4; "
