@@ -162,6 +162,25 @@ def test_generate_quantized_target(tiny_dirs, gen, quant):
     assert outs[0] == outs[1] and len(outs[0]) == 16
 
 
+def test_quantize_fastest_is_int4_dot_where_the_cpu_runs_it(tiny_dirs, gen, monkeypatch):
+    """--quantize fastest: int4-dot with AVX512-BF16, else int4, resolved before anything loads."""
+    from eaglespec import kernels
+    from eaglespec.quant import fastest_quantizer, int4_available
+
+    want = "int4-dot" if kernels.bf16dot_available() else "int4"
+    assert fastest_quantizer() == want
+    if want == "int4" and not int4_available():
+        pytest.skip("no int4 kernel here")
+    outs = []
+    for quant in ("fastest", want):
+        rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "12", "--json", "--quantize", quant)
+        assert rc == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1]
+    monkeypatch.setattr(kernels, "bf16dot_available", lambda: False)
+    assert fastest_quantizer() == "int4"
+
+
 def test_cli_names_every_quantizer():
     """cli keeps its own copy of the --quantize choices (so that --help imports no torch)."""
     from eaglespec import cli

@@ -34,7 +34,7 @@ COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 m
 QUANT_HELP = ("int8 | int4 | bf16: weight-only quantized target (every method, vanilla included, runs the same "
               "quantized model; int4 and bf16 run on eaglespec's kernels); bf16-dot / int4-dot: bf16 / int4 weights and "
               "bf16-rounded inputs to each linear layer (CPUs with AVX512-BF16; cheaper trees than bf16 / int4; "
-              "int4-dot is the fastest here)")
+              "int4-dot is the fastest here); fastest: int4-dot where the CPU has AVX512-BF16, else int4")
 DRAFT_VOCAB_HELP = ("context (default): the tokens the head was trained to propose (the shipped SmolLM2 head: the "
                     "16k most frequent) plus those of the prompt and the text so far; head: the trained ones only; "
                     "full: every target token, with no retraining. Shipped head, MT-bench: tau 3.012 with context "
@@ -54,7 +54,7 @@ def _add_head(p: argparse.ArgumentParser) -> None:
 
 def _add_target_kernels(p: argparse.ArgumentParser) -> None:
     """How the target runs (every method of a command uses the same): --quantize, --packed, --compile."""
-    p.add_argument("--quantize", choices=["none", *QUANTIZERS], default="none", help=QUANT_HELP)
+    p.add_argument("--quantize", choices=["none", "fastest", *QUANTIZERS], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None, help=PACK_HELP)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
 
@@ -358,6 +358,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "quantize", None) == "fastest":
+        from .quant import fastest_quantizer
+
+        args.quantize = fastest_quantizer()
     try:
         return {"generate": cmd_generate, "regenerate": cmd_regenerate, "extract": cmd_extract, "train": cmd_train,
                 "bench": cmd_bench, "profile": cmd_profile}[args.command](args)

@@ -275,6 +275,11 @@ def int4_available() -> bool:
 QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot", "int4-dot")
 
 
+def fastest_quantizer() -> str:
+    """The fastest lossless CPU target measured (BENCHMARKS.md): int4-dot where AVX512-BF16 runs it, else int4."""
+    return "int4-dot" if kernels.bf16dot_available() else "int4"
+
+
 def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True, fuse: bool = True) -> nn.Module:
     """Replace the decoder's linear layers (and the LM head) by `Int8Linear`, `Int4Linear`, `Bf16Linear`,
     `Bf16DotLinear` or `Int4DotLinear` (`kind` = one of QUANTIZERS), in place.
