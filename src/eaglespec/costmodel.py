@@ -116,6 +116,21 @@ def profile_path(engine: "Engine") -> Path:
 
 
 @torch.inference_mode()
+def time_forward(engine: "Engine", cache: "KVCache", context: int, tokens: list[int]) -> float:
+    """Seconds for one target forward of `tokens` after `context` cached ones, as a tree would send
+    them (a mask, logits of every row), then the cache back at `context`."""
+    from .tree import float_mask
+
+    n = len(tokens)
+    allowed = torch.ones(n, context + n, dtype=torch.bool, device=engine.device).tril(context)
+    t0 = engine._clock()
+    feats = engine._target(tokens, context, cache, float_mask(allowed, engine.dtype))
+    engine.lm_head(feats).argmax(-1).tolist()
+    dt = engine._clock() - t0
+    cache.crop(context)
+    return dt
+
+
 def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 256, repeats: int = 5,
             top_k: int = 4) -> CostProfile:
     """Time the target on `sizes` tokens after a `context`-token prefix, sizes interleaved per repeat."""
@@ -131,13 +146,7 @@ def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: i
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats + 1):  # the first pass warms up
         for n in sizes:
-            toks = torch.randint(0, vocab, (n,), generator=g).tolist()
-            allowed = torch.ones(n, context + n, dtype=torch.bool, device=engine.device).tril(context)
-            t0 = engine._clock()
-            feats = engine._target(toks, context, cache, float_mask(allowed, engine.dtype))
-            engine.lm_head(feats).argmax(-1).tolist()
-            times[n].append(engine._clock() - t0)
-            cache.crop(context)
+            times[n].append(time_forward(engine, cache, context, torch.randint(0, vocab, (n,), generator=g).tolist()))
     verify = [statistics.median(times[n][1:]) for n in sizes]
 
     draft = 0.0
