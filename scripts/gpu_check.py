@@ -28,9 +28,9 @@ from eaglespec.models import compile_decoder
 # (family, hidden, intermediate, layers, heads, kv heads, vocab, tied, dtype) of real checkpoints
 SHAPES = {
     "smollm2-135m-fp32": ("llama", 576, 1536, 30, 9, 3, 49152, True, torch.float32),
-    "smollm2-135m-bf16": ("llama", 576, 1536, 30, 9, 3, 49152, True, torch.bfloat16),
-    "qwen2.5-0.5b-bf16": ("qwen2", 896, 4864, 24, 14, 2, 151936, True, torch.bfloat16),
     "llama-2-7b-fp16": ("llama", 4096, 11008, 32, 32, 32, 32000, False, torch.float16),
+    "qwen2.5-0.5b-bf16": ("qwen2", 896, 4864, 24, 14, 2, 151936, True, torch.bfloat16),
+    "smollm2-135m-bf16": ("llama", 576, 1536, 30, 9, 3, 49152, True, torch.bfloat16),
     "tiny-fp32": ("llama", 64, 128, 2, 4, 2, 256, False, torch.float32),  # a smoke test of this script
 }
 TAUS = (3.0, 4.0)  # our SmolLM2 head's tau on MT-bench (CPU-measured), and about the paper's 7B figure
@@ -124,8 +124,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--compiled", default="smollm2-135m-bf16", help="shapes to run again under torch.compile")
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=240, help="start no new shape after this many seconds")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()

@@ -10,6 +10,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-EAGLESPEC_TEST_DEVICE=cuda timeout "${TEST_S:-240}" python3 -m pytest -q -n 4 -p no:cacheprovider -rfE \
+EAGLESPEC_TEST_DEVICE=cuda timeout "${TEST_S:-240}" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE \
   tests/test_cuda.py tests/test_engine.py 2>&1 | tee "$OUT/pytest.log" | tail -40
 timeout "${SPEED_S:-260}" python3 scripts/gpu_check.py --out "$OUT" --budget-s "${BUDGET_S:-200}" 2>&1 | tail -30

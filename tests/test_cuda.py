@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglespec.engine import Engine
+from eaglespec.engine import Engine, sibling_q
 from eaglespec.head import EagleDraftHead
 from eaglespec.train.trainer import TrainConfig, train
-from eaglespec.verify import SamplingParams
+from eaglespec.verify import SamplingParams, renormalise
 
 from conftest import good_head, tiny_target
 
@@ -47,6 +47,22 @@ def test_sampling_runs_on_cuda_and_is_seeded():
     out = eng.generate([5, 9], 20, sampling=SamplingParams(0.8, 0.9, 20), seed=0)
     again = eng.generate([5, 9], 20, sampling=SamplingParams(0.8, 0.9, 20), seed=0)
     assert out.token_ids == again.token_ids and len(out.token_ids) == 20
+
+
+def test_renormalising_a_subnormal_mass_on_cuda():
+    """What is left of q after its earlier siblings can be a subnormal float32 total. CUDA divides by
+    a Python number through its reciprocal (inf here), which made NaN laws and a failed draw in
+    test_sampling_runs_on_cuda_and_is_seeded on an H200; the laws must stay exact distributions."""
+    q = torch.zeros(8, device="cuda")
+    q[0], q[3], q[5] = 1.0, 3e-39, 1e-39  # 1e-39 and 3e-39 are subnormal in float32
+    law = sibling_q(q, [0], 3)
+    assert law is not None and torch.isfinite(law).all()
+    torch.testing.assert_close(law.cpu(), torch.tensor([0, 0, 0, 0.75, 0, 0.25, 0, 0]))
+    # speculative_step renormalises its residual max(0, p - q) the same way
+    r = torch.zeros(8, device="cuda")
+    r[2], r[6] = 2e-39, 2e-39
+    torch.testing.assert_close(renormalise(r).cpu(), torch.tensor([0, 0, 0.5, 0, 0, 0, 0.5, 0]))
+    assert renormalise(torch.zeros(8, device="cuda")) is None
 
 
 def test_training_on_cuda_matches_cpu(tiny_features, tmp_path):

@@ -21,7 +21,7 @@ from .head import EagleDraftHead
 from .costmodel import CostProfile, CostWatch, load_or_measure
 from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, parse_spec, paths_of,
                    plan_children, prefix_tree_mask, prompt_lookup, select_nodes, split_lookup)
-from .verify import SamplingParams, greedy_accept, sample_accept, target_probs
+from .verify import SamplingParams, greedy_accept, renormalise, sample_accept, target_probs
 
 DRAFT_SAMPLING = ("topk", "sample")
 
@@ -106,10 +106,9 @@ def sibling_q(q: torch.Tensor, earlier: list[int], token: int) -> torch.Tensor |
     qc = q.clone()
     if earlier:
         qc[earlier] = 0.0
-    total = float(qc.sum())
-    if total <= 0.0 or float(qc[token]) <= 0.0:
+    if float(qc[token]) <= 0.0:
         return None
-    return qc / total
+    return renormalise(qc)
 
 
 class Engine:

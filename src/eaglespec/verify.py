@@ -73,6 +73,14 @@ def greedy_accept(target_argmax: list[int], tokens: list[int], children: list[li
         node = nxt
 
 
+def renormalise(x: torch.Tensor) -> torch.Tensor | None:
+    """x / x.sum(), or None when nothing is left. The divisor stays a tensor: CUDA divides by a
+    Python number as x * (1 / number), and 1 / a subnormal total is inf in float32 (NaN, then a
+    failed draw), where a tensor divisor is a true division."""
+    total = x.sum()
+    return x / total if float(total) > 0.0 else None
+
+
 def speculative_step(
     p: torch.Tensor,
     cand_tokens: list[int],
@@ -99,11 +107,11 @@ def speculative_step(
             residual[tok] = 0.0
         else:
             residual = (p - q.float()).clamp_min(0.0)
-        total = float(residual.sum())
-        if total <= 0.0:
+        nxt = renormalise(residual)
+        if nxt is None:
             # p <= q everywhere means p == q (both sum to 1): acceptance was certain up to rounding
             continue
-        p = residual / total
+        p = nxt
     tok = int(torch.multinomial(p, 1, generator=generator))
     return None, tok
 
