@@ -630,9 +630,11 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
             kernels._run = real
         assert torch._dynamo.utils.counters["frames"]["ok"] > before  # compiled graphs ran
         assert calls  # and they call the custom ops, which run the kernels
-        # whole graphs: row-exact attention (the -dot kinds) takes the engine's plan, no data-dependent code
-        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+        if quantize in ("none", "int4-dot"):  # EAGLE-3 fusion: aux hidden states from a compiled decoder
+            head.add_aux_layers([1])
         for tree in ("paper", "chain:2"):
             assert Engine(model, head, tree=tree).generate(PROMPTS[0], 16).token_ids == vanilla, tree
+        # whole graphs: row-exact attention (the -dot kinds) takes the engine's plan, no data-dependent code
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     finally:
         torch._dynamo.reset()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eaglespec.verify import (SamplingParams, check_sampling, greedy_accept, sample_accept, speculative_step,
+from eaglespec.verify import (SamplingParams, check_sampling, greedy_accept, sample_accept, sample_token, speculative_step,
                               target_probs)
 
 
@@ -143,3 +143,22 @@ def test_sample_accept_walks_tree_and_returns_bonus():
     probs[2, 1] = 1
     path, bonus = sample_accept(probs, [0, 2, 3], [[1], [2], []], [None, None, None], torch.Generator().manual_seed(0))
     assert path == [1, 2] and bonus == 1
+
+
+def test_sample_token_draws_the_law_and_never_a_zero():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0]) * 7  # unnormalised on purpose
+    n = 40_000
+    counts = torch.bincount(torch.tensor([sample_token(p, gen) for _ in range(n)]), minlength=6).double()
+    want = p.double() / p.sum()
+    assert counts[want == 0].sum() == 0
+    sigma = (want * (1 - want) / n).sqrt()
+    assert ((counts / n - want).abs() <= 4 * sigma + 1e-12).all(), counts / n
+
+
+@pytest.mark.parametrize("u, token", [(0.0, 1), (1.0, 2)])
+def test_sample_token_at_the_ends_of_the_unit_interval(monkeypatch, u, token):
+    """u = 0 must skip leading zeros, and u = 1 (a closed-interval generator's, e.g. cuRAND's) must
+    not run past the last non-zero entry into trailing zeros."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((1,), u, dtype=torch.float64))
+    assert sample_token(torch.tensor([0.0, 0.3, 0.7, 0.0, 0.0])) == token

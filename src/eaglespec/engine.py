@@ -18,10 +18,11 @@ from . import attention
 from .cache import KVCache
 from .errors import EaglespecError
 from .head import EagleDraftHead
+from .models import HiddenStateTap
 from .costmodel import CostProfile, CostWatch, load_or_measure
 from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, parse_spec, paths_of,
                    plan_children, prefix_tree_mask, prompt_lookup, select_nodes, split_lookup)
-from .verify import SamplingParams, greedy_accept, renormalise, sample_accept, target_probs
+from .verify import SamplingParams, greedy_accept, renormalise, sample_accept, sample_token, target_probs
 
 DRAFT_SAMPLING = ("topk", "sample")
 
@@ -140,6 +141,7 @@ class Engine:
         self.sink_layers = list(sink_layers or [])
         if self.head is not None and self.sink_layers and self.sink_layers != self.head.aux_layers:
             raise EaglespecError(f"sink_layers {self.sink_layers} differ from the head's aux layers {self.head.aux_layers}")
+        self._tap = HiddenStateTap.of(self.decoder, self.aux_layers)
         self.costs = costs  # the machine's cost curve, for `auto` (measured on first use if None)
         self._watch: CostWatch | None = None  # checks a cached curve against real rounds
         self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
@@ -180,10 +182,10 @@ class Engine:
         if self._plan_rows and q <= attention.MAX_EXACT_ROWS:
             plan["eaglespec_plan"] = attention.pack_plan(mask, b, q, cache.get_seq_length() + q)
         out = self.decoder(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                           use_cache=True, output_hidden_states=aux, **plan)
+                           use_cache=True, **plan, **self._tap.forward_kwargs(self.aux_layers if aux else []))
         if not aux:
             return out.last_hidden_state
-        return torch.cat([out.last_hidden_state] + [out.hidden_states[i] for i in self.aux_layers], -1)
+        return torch.cat([out.last_hidden_state] + self._tap.read(out, self.aux_layers), -1)
 
     def _target(self, ids: list[int], start: int, cache: KVCache, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,7 +197,7 @@ class Engine:
     def _choose(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
         if sp.greedy:
             return int(logits.argmax(-1))
-        return int(torch.multinomial(target_probs(logits, sp), 1, generator=gen))
+        return sample_token(target_probs(logits, sp), gen)
 
     # -- public API -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -199,6 +199,54 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     return model, tok
 
 
+class HiddenStateTap:
+    """Hidden states of chosen decoder layers (``output_hidden_states`` numbering: i = the input of
+    layer i, so 0 = the embeddings; the top index = the final-norm output) from forward pre-hooks.
+
+    transformers' ``output_hidden_states=True`` walks every module and wraps every layer on each
+    call: 1-3 ms per SmolLM2 forward on a 2-core CPU, paid by every EAGLE round. A hook on the few
+    wanted layers costs microseconds. A compiled decoder keeps transformers' way: there it is
+    traced once and free, while hooks added after compilation would be silently skipped (dynamo
+    does not guard on hooks). One tap per decoder, shared by every engine on it."""
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        self.depth = len(decoder.layers)
+        self._decoder = decoder
+        self._hooked: set[int] = set()
+        self._seen: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, decoder: torch.nn.Module, layers: list[int]) -> "HiddenStateTap":
+        tap = decoder.__dict__.get("_eaglespec_tap")
+        if tap is None:
+            tap = decoder.__dict__["_eaglespec_tap"] = cls(decoder)
+        for i in layers:
+            if not 0 <= i <= tap.depth:
+                raise EaglespecError(f"aux layers must lie in 0..{tap.depth} (0 = the embeddings), got {layers}")
+            if i < tap.depth and i not in tap._hooked:
+                tap._decoder.layers[i].register_forward_pre_hook(tap._keeper(i), with_kwargs=True)
+                tap._hooked.add(i)
+        return tap
+
+    def _keeper(self, i: int):
+        def keep(module, args, kwargs):
+            self._seen[i] = args[0] if args else kwargs["hidden_states"]
+        return keep
+
+    def _compiled(self) -> bool:
+        return getattr(self._decoder, "_compiled_call_impl", None) is not None
+
+    def forward_kwargs(self, layers: list[int]) -> dict[str, bool]:
+        """What the decoder call needs so that `read` finds `layers`."""
+        return {"output_hidden_states": True} if layers and self._compiled() else {}
+
+    def read(self, out, layers: list[int]) -> list[torch.Tensor]:
+        """The wanted layers' states from the decoder output `out` of the forward just run."""
+        if self._compiled():
+            return [out.hidden_states[i] for i in layers]
+        return [out.last_hidden_state if i == self.depth else self._seen.pop(i) for i in layers]
+
+
 def compile_decoder(model: PreTrainedModel) -> PreTrainedModel:
     """``torch.compile`` the decoder stack in place (the LM head stays eager: the engine calls it on
     chosen rows only). Dynamic shapes, so one graph serves every cache length; inductor still builds

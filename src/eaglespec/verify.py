@@ -73,6 +73,18 @@ def greedy_accept(target_argmax: list[int], tokens: list[int], children: list[li
         node = nxt
 
 
+def sample_token(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One draw from p (V,), non-negative, not necessarily normalised, by inverse CDF in float64.
+    torch.multinomial takes ~1.2 ms over a 49k vocabulary on two CPU cores, this ~0.2 ms, and a
+    sampled step pays it once per token. Zero entries are never drawn: u is kept below the total
+    even where a generator's interval is closed."""
+    c = p.double().cumsum(-1)
+    total = c[-1:]
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=p.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return int(torch.searchsorted(c, u, right=True))
+
+
 def renormalise(x: torch.Tensor) -> torch.Tensor | None:
     """x / x.sum(), or None when nothing is left. The divisor stays a tensor: CUDA divides by a
     Python number as x * (1 / number), and 1 / a subnormal total is inf in float32 (NaN, then a
@@ -112,8 +124,7 @@ def speculative_step(
             # p <= q everywhere means p == q (both sum to 1): acceptance was certain up to rounding
             continue
         p = nxt
-    tok = int(torch.multinomial(p, 1, generator=generator))
-    return None, tok
+    return None, sample_token(p, generator)
 
 
 def sample_accept(
@@ -133,7 +144,7 @@ def sample_accept(
     while True:
         kids = children[node]
         if not kids:
-            return path, int(torch.multinomial(probs[node].float(), 1, generator=generator))
+            return path, sample_token(probs[node], generator)
         idx, tok = speculative_step(probs[node], [tokens[c] for c in kids], [q[c] for c in kids], generator)
         if idx is None:
             return path, tok

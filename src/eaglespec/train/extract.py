@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from ..errors import CheckpointError, EaglespecError
 from ..io import atomic_save_safetensors, atomic_write_json
+from ..models import HiddenStateTap
 from .data import load_conversations, render, split
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -58,8 +59,10 @@ def features_for(model, batch: list[list[int]], layers: list[int] | None = None)
         ids[i, : len(x)] = torch.tensor(x)
         att[i, : len(x)] = 1
     dev = next(model.parameters()).device
-    out = model.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev), output_hidden_states=bool(layers))
-    h = torch.stack([out.hidden_states[i] for i in layers], 2) if layers else out.last_hidden_state
+    decoder = model.get_decoder()
+    tap = HiddenStateTap.of(decoder, layers or [])
+    out = decoder(input_ids=ids.to(dev), attention_mask=att.to(dev), **tap.forward_kwargs(layers or []))
+    h = torch.stack(tap.read(out, layers), 2) if layers else out.last_hidden_state
     return [h[i, : len(x)].float().cpu() for i, x in enumerate(batch)]
 
 
