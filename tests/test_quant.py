@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eaglespec.engine import Engine
-from eaglespec.quant import Int8Linear, quantize_weights
+from eaglespec.quant import Int8Linear, pack_target, quantize_weights
 
 from conftest import good_head, tiny_target
 from test_engine import PROMPTS, hf_greedy
@@ -240,7 +240,7 @@ def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
 
 @needs_skinny
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("kind", ["int4", "bf16", pytest.param("bf16-dot", marks=needs_bf16dot),
+@pytest.mark.parametrize("kind", ["packed", "int4", "bf16", pytest.param("bf16-dot", marks=needs_bf16dot),
                                   pytest.param("int4-dot", marks=needs_bf16dot)])
 def test_fused_projections_give_the_unfused_bits(family, kind):
     """q/k/v and gate/up as one call each (`_Part`s, `GatedMLP`): every output column is summed by
@@ -250,7 +250,8 @@ def test_fused_projections_give_the_unfused_bits(family, kind):
     ids = torch.tensor([[5, 9, 17, 33, 2, 8, 11, 40]])
     logits = []
     for fuse in (True, False):
-        model = quantize_weights(tiny_target(family, seed=8), kind, fuse=fuse)
+        model = tiny_target(family, seed=8)
+        model = pack_target(model, fuse=fuse) if kind == "packed" else quantize_weights(model, kind, fuse=fuse)
         assert all(type(layer.mlp) is GatedMLP for layer in model.model.layers) == fuse
         with torch.no_grad():
             logits.append(torch.cat([model(ids).logits, model(ids[:, :1]).logits], 1))

@@ -193,7 +193,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     elif packed and device == "cpu":
         from .quant import pack_target
 
-        pack_target(model)
+        pack_target(model, fuse=not compile)
     if compile:
         compile_decoder(model)
     return model, tok

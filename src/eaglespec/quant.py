@@ -370,8 +370,12 @@ def pack_linears(module: nn.Module) -> nn.Module:
                            and m.weight.device.type == "cpu")
 
 
-def pack_target(model: nn.Module) -> nn.Module:
-    """Pack the decoder's linear layers and the LM head of a causal LM (outputs equal up to float rounding)."""
+def pack_target(model: nn.Module, fuse: bool = True) -> nn.Module:
+    """Pack the decoder's linear layers and the LM head of a causal LM (outputs equal up to float
+    rounding). ``fuse``: q/k/v and gate/up as one call each on eaglespec's kernel, as for the
+    quantized targets (same bits; not for `torch.compile`, see `quantize_weights`)."""
+    if fuse and kernels.available():
+        fuse_projections(model.get_decoder(), PackedLinear)
     pack_linears(model.get_decoder())
     head = model.get_output_embeddings()
     if type(head) is nn.Linear and packed_linear_available():
