@@ -105,6 +105,25 @@ def test_auto_tree_measures_and_caches_costs(tiny_pair, tmp_path, monkeypatch):
     assert again.costs == eng.costs  # read back, not measured again
 
 
+def test_cost_measurement_runs_without_autograd_whoever_calls(tiny_pair):
+    """`eaglespec profile` calls `measure` outside the engine's inference mode: with autograd on, the
+    head (trainable weights) timed ~4x its real draft cost, and `auto` trees built on that curve
+    shrank."""
+    from eaglespec.costmodel import measure
+
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="auto")
+    seen = []
+    head.register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    eng.model.get_decoder().register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    try:
+        measure(eng, sizes=(1, 2), context=8, repeats=1)
+    finally:
+        head._forward_hooks.clear()
+        eng.model.get_decoder()._forward_hooks.clear()
+    assert seen and all(seen)
+
+
 def test_cost_watch_flags_a_curve_real_rounds_disagree_with():
     prof = synthetic_costs(0.1, 0.01)  # verify(n) = 1 + 0.1 (n - 1)
     watch = CostWatch(prof, window=4)
