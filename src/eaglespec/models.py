@@ -210,7 +210,7 @@ class HiddenStateTap:
     does not guard on hooks). One tap per decoder, shared by every engine on it."""
 
     def __init__(self, decoder: torch.nn.Module) -> None:
-        self.depth = len(decoder.layers)
+        self.depth = int(decoder.config.num_hidden_layers)
         self._decoder = decoder
         self._hooked: set[int] = set()
         self._seen: dict[int, torch.Tensor] = {}
