@@ -177,6 +177,11 @@ def test_quantize_fastest_is_int4_dot_where_the_cpu_runs_it(tiny_dirs, gen, monk
         assert rc == 0, err
         outs.append(json.loads(out)["token_ids"])
     assert outs[0] == outs[1]
+    # the Python API takes "fastest" too, and the model says which kind it got
+    from eaglespec.models import load_target
+
+    model, _ = load_target(str(tiny_dirs / "model"), quantize="fastest")
+    assert model.config.eaglespec_quantization == want
     monkeypatch.setattr(kernels, "bf16dot_available", lambda: False)
     assert fastest_quantizer() == "int4"
 

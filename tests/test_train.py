@@ -431,19 +431,19 @@ def prompt_ids(tok, record: dict) -> list[int]:
 
 def sampled_answer(eng, tok, record: dict, seed: int, max_new_tokens: int = 6) -> str:
     """The engine's T = 1 sample (vanilla, this seed) of a regenerated record's first user turn; EOS
-    (id 1) ends it and is not part of its text."""
+    (id 1) ends it, and special tokens (EOS, w0) are not part of its text."""
     from eaglespec.verify import SamplingParams
 
     out = eng.generate_batch([prompt_ids(tok, record)], max_new_tokens, SamplingParams(temperature=1.0),
                              method="vanilla", seed=seed, eos_token_ids=[1])[0]
-    return tok.decode([t for t in out.token_ids if t != 1])
+    return tok.decode(out.token_ids, skip_special_tokens=True)  # as regenerate writes answers
 
 
 def greedy_answer(eng, tok, record: dict, max_new_tokens: int = 6) -> tuple[str, str]:
     """The engine's greedy answer to a regenerated record's first user turn: (text, finish reason);
-    EOS (id 1) ends the answer and is not part of its text."""
+    EOS (id 1) ends the answer, and special tokens (EOS, w0) are not part of its text."""
     out = eng.generate(prompt_ids(tok, record), max_new_tokens, method="vanilla", eos_token_ids=[1])
-    return tok.decode([t for t in out.token_ids if t != 1]), out.finish_reason
+    return tok.decode(out.token_ids, skip_special_tokens=True), out.finish_reason
 
 
 def regenerate_shards(feats, aux_layers: list[int] | None = None) -> dict[int, tuple]:
@@ -466,9 +466,10 @@ def regenerate_shards(feats, aux_layers: list[int] | None = None) -> dict[int, t
 
 
 def assert_shard_holds_the_records_answer(tok, record: dict, ids: list[int], mask: list[int]) -> None:
-    """The loss-masked ids of a regenerate shard are the JSONL answer as generated (its last token aside)."""
-    answer = [t for t, m in zip(ids, mask) if m and t != 1]
-    assert record["conversations"][1]["value"].startswith(tok.decode(answer))
+    """The loss-masked ids of a regenerate shard are the JSONL answer as generated (its last token
+    aside; the text, like regenerate's, without special tokens)."""
+    answer = [t for t, m in zip(ids, mask) if m]
+    assert record["conversations"][1]["value"].startswith(tok.decode(answer, skip_special_tokens=True))
 
 
 def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features, tmp_path):

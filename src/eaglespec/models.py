@@ -148,16 +148,20 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``"bf16"``: weight-only bf16
     (`eaglespec.quant.Bf16Linear`, eaglespec's kernels); ``"bf16-dot"``: bf16 weights and bf16-rounded
     inputs to every linear layer (`eaglespec.quant.Bf16DotLinear`, CPUs with AVX512-BF16); ``"int4-dot"``:
-    int4 weights and bf16-rounded inputs (`eaglespec.quant.Int4DotLinear`, the same CPUs);
+    int4 weights and bf16-rounded inputs (`eaglespec.quant.Int4DotLinear`, the same CPUs); ``"fastest"``:
+    int4-dot where the CPU runs it, else int4 (`eaglespec.quant.fastest_quantizer`; the model's
+    ``config.eaglespec_quantization`` names the kind chosen);
     ``packed=True``: fp32 linear layers with weights pre-packed for a CPU kernel that streams them once
     for a whole draft tree (`eaglespec.kernels` with AVX-512 or AVX2, else oneDNN; see
     `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where eaglespec's kernel runs (a
     plain fp32 CPU target), since it is as fast or faster at every size there;
     ``compile=True``: the decoder goes through ``torch.compile`` (see `compile_decoder`)."""
-    from .quant import QUANTIZERS
+    from .quant import QUANTIZERS, fastest_quantizer
 
+    if quantize == "fastest":
+        quantize = fastest_quantizer()
     if quantize not in (None, "none", *QUANTIZERS):
-        raise EaglespecError(f"quantize must be one of {', '.join(QUANTIZERS)} or none, got {quantize!r}")
+        raise EaglespecError(f"quantize must be one of {', '.join(QUANTIZERS)}, fastest or none, got {quantize!r}")
     if attn_implementation == "exact" or (attn_implementation == "sdpa" and device == "cpu"):
         from .attention import GQA_NAME, register
 
