@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eaglespec.engine import Engine
-from eaglespec.quant import Int8Linear, pack_target, quantize_weights
+from eaglespec.quant import FastRMSNorm, Int8Linear, fast_norms, pack_target, quantize_weights
 
 from conftest import good_head, tiny_target
 from test_engine import PROMPTS, hf_greedy
@@ -252,10 +252,36 @@ def test_fused_projections_give_the_unfused_bits(family, kind):
     for fuse in (True, False):
         model = tiny_target(family, seed=8)
         model = pack_target(model, fuse=fuse) if kind == "packed" else quantize_weights(model, kind, fuse=fuse)
+        if not fuse:
+            fast_norms(model.get_decoder())  # fuse also swaps the norms: compare the projections alone
         assert all(type(layer.mlp) is GatedMLP for layer in model.model.layers) == fuse
         with torch.no_grad():
             logits.append(torch.cat([model(ids).logits, model(ids[:, :1]).logits], 1))
     assert torch.equal(*logits)
+
+
+@needs_skinny
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fast_rms_norm_is_transformers_norm_row_by_row(family):
+    """FastRMSNorm: within float rounding of transformers' norm, each row's bits independent of the
+    rows beside it (tree rows = one-by-one rows), and the original forward for anything it does not
+    take (bf16, a non-contiguous view). The fused targets use it in every layer."""
+    model = tiny_target(family, seed=3)
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+    fast = FastRMSNorm(norm)
+    x = torch.randn(2, 9, model.config.hidden_size) * 3
+    with torch.no_grad():
+        want, got = norm(x), fast(x)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+        rows = torch.cat([fast(x[:, i:i + 1].contiguous()) for i in range(x.shape[1])], 1)
+        assert torch.equal(rows, got)
+        assert torch.equal(fast(x[:, ::2]), norm(x[:, ::2]))  # a strided view: the original forward
+        xb = x.bfloat16()
+        assert torch.equal(fast(xb), norm(xb))
+    fused = quantize_weights(tiny_target(family, seed=3), "bf16")
+    assert sum(isinstance(m, FastRMSNorm) for m in fused.modules()) == 2 * fused.config.num_hidden_layers + 1
 
 
 def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):

@@ -103,6 +103,9 @@ def _lib() -> ctypes.CDLL | None:
         if hasattr(lib, extra):
             getattr(lib, extra).argtypes = fn.argtypes
             getattr(lib, extra).restype = None
+    lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
+                             ctypes.c_void_p]
+    lib.rms_norm.restype = None
     if hasattr(lib, "attend_rows"):
         P, L = ctypes.c_void_p, ctypes.c_long
         lib.attend_rows.argtypes = [P, L, L, L, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_float, P, ctypes.c_int]
@@ -155,6 +158,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():  # an opaque op for inductor, which fuses the small ops around it
         return torch.ops.eaglespec.skinny_linear(x, packed, bias)
     return _run(_lib().skinny_linear, x, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim of a contiguous fp32 CPU x, row by row."""
+    y = torch.empty_like(x)
+    _lib().rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(), eps, y.data_ptr())
+    return y
 
 
 GROUP = 32  # inputs per 4-bit scale/minimum group (skinny_linear_q4)
