@@ -114,13 +114,13 @@ def test_cost_measurement_runs_without_autograd_whoever_calls(tiny_pair):
     model, head = tiny_pair
     eng = Engine(model, head, tree="auto")
     seen = []
-    head.register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
-    eng.model.get_decoder().register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    hooks = [m.register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+             for m in (head, eng.model.get_decoder())]
     try:
         measure(eng, sizes=(1, 2), context=8, repeats=1)
     finally:
-        head._forward_hooks.clear()
-        eng.model.get_decoder()._forward_hooks.clear()
+        for h in hooks:
+            h.remove()
     assert seen and all(seen)
 
 

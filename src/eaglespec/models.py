@@ -203,6 +203,13 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     return model, tok
 
 
+def check_layers(layers: list[int], model: torch.nn.Module) -> None:
+    """Aux layers must exist in the target (`output_hidden_states` numbering); `model` or its decoder."""
+    depth = model.config.num_hidden_layers
+    if any(i < 0 or i > depth for i in layers):
+        raise EaglespecError(f"aux layers must lie in 0..{depth} (0 = the embeddings), got {layers}")
+
+
 class HiddenStateTap:
     """Hidden states of chosen decoder layers (``output_hidden_states`` numbering: i = the input of
     layer i, so 0 = the embeddings; the top index = the final-norm output) from forward pre-hooks.
@@ -224,9 +231,8 @@ class HiddenStateTap:
         tap = decoder.__dict__.get("_eaglespec_tap")
         if tap is None:
             tap = decoder.__dict__["_eaglespec_tap"] = cls(decoder)
+        check_layers(layers, decoder)
         for i in layers:
-            if not 0 <= i <= tap.depth:
-                raise EaglespecError(f"aux layers must lie in 0..{tap.depth} (0 = the embeddings), got {layers}")
             if i < tap.depth and i not in tap._hooked:
                 tap._decoder.layers[i].register_forward_pre_hook(tap._keeper(i), with_kwargs=True)
                 tap._hooked.add(i)

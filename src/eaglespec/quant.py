@@ -253,9 +253,9 @@ RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  
 
 class FastRMSNorm(nn.Module):
     """transformers' RMSNorm in one `kernels.rms_norm` call (fp32 CPU rows) instead of ~6 small torch
-    ops: 16 -> ~4 µs per call, ~60 calls per step. Rounds like the original to ~1 ulp; rows are
-    independent of the row count, which is what lossless trees need. Anything else goes to the
-    original forward."""
+    ops: ~19 -> ~9 µs per call (module call included), 61 calls per SmolLM2 step. Within a few ulps
+    of the original (~3e-7 relative); rows are independent of the row count, which is what
+    lossless trees need. Anything else goes to the original forward."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from ..errors import CheckpointError, EaglespecError
 from ..io import atomic_save_safetensors, atomic_write_json
-from ..models import HiddenStateTap
+from ..models import HiddenStateTap, check_layers
 from .data import load_conversations, render, split
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -82,13 +82,6 @@ def _all_features(model, seqs: list[list[int]], batch_tokens: int, bar: tqdm,
             bar.update(len(seqs[i]))
         start = end
     return feats
-
-
-def check_layers(layers: list[int], model) -> None:
-    """Aux layers must exist in the target (`output_hidden_states` numbering)."""
-    depth = model.config.num_hidden_layers
-    if any(i < 0 or i > depth for i in layers):
-        raise EaglespecError(f"aux layers must lie in 0..{depth} (0 = the embeddings), got {layers}")
 
 
 def save_aux(shard: Path, aux: torch.Tensor, layers: list[int]) -> None:

@@ -49,7 +49,7 @@ from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
 from ..verify import SamplingParams
 from .data import SHAREGPT_FROM, dropped_first_turns, load_conversations, split
-from .extract import (DTYPES, aux_path, check_layers, pack_shard, parse_layers, read_aux, read_shard, save_aux,
+from .extract import (DTYPES, aux_path, pack_shard, parse_layers, read_aux, read_shard, save_aux,
                       shard_files, unpack_shard)
 
 
@@ -158,7 +158,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     (or of the dropped records, `prompts="dropped"`)
     with the target's greedy (or, `temperature` > 0, sampled) decoding (vanilla, batched), appending to `cfg.out`; returns counts and speed."""
     from ..engine import Engine
-    from ..models import eos_ids, load_target
+    from ..models import check_layers, eos_ids, load_target
 
     out = Path(cfg.out)
     if out.suffix != ".jsonl":
