@@ -192,3 +192,40 @@ def test_cli_names_every_quantizer():
     from eaglespec.quant import QUANTIZERS
 
     assert cli.QUANTIZERS == QUANTIZERS
+
+
+def test_serve_bad_settings(tiny_dirs, run):
+    import socket
+
+    base = ("serve", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"))
+    for extra, msg in ((["--port", "70000"], "--port must be in 0..65535"), (["--max-tokens", "0"], "--max-tokens")):
+        rc, out, err = run(*base, *extra)
+        assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        rc, out, err = run(*base, "--port", str(busy.getsockname()[1]))
+    assert rc == 2 and "cannot listen on 127.0.0.1:" in err and "Traceback" not in err
+
+
+def test_serve_subprocess_answers_and_stops(tiny_dirs):
+    import signal
+    import urllib.request
+
+    p = subprocess.Popen([sys.executable, "-m", "eaglespec.cli", "serve", "--model", str(tiny_dirs / "model"),
+                          "--head", str(tiny_dirs / "head"), "--port", "0", "--model-id", "tiny"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        assert line.startswith("eaglespec: serving tiny (eagle, tree paper) at http://127.0.0.1:"), line
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "w30 w31 w32"}], "temperature": 0,
+                "max_tokens": 5}
+        req = urllib.request.Request(line.split(" at ")[1].strip() + "/chat/completions", data=json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            got = json.loads(r.read())
+        assert got["usage"]["completion_tokens"] == 5 and len(got["choices"][0]["message"]["content"].split()) == 5
+    finally:
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(30)
+        err = p.stderr.read()
+    assert rc == 130 and "Traceback" not in err

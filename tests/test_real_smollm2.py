@@ -202,3 +202,48 @@ def test_sampling_law_real_model(smol):
         f_exp = [law[k] * n for k in big] + ([sum(law[k] for k in small) * n] if small else [])
         f_exp = [e * n / sum(f_exp) for e in f_exp]  # float32 probabilities: renormalise exactly
         assert chisquare(f_obs, f_exp).pvalue > 1e-3, tree
+
+
+def test_text_stream_on_the_real_tokenizer(smol):
+    from eaglespec.text import TextStream
+
+    _, tok = smol
+    text = "Café naïve 🙂🌊 日本語 — «quoted» </s> done"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))  # the split characters are real
+    t = TextStream(tok)
+    pieces = [t.push([i]) for i in ids] + [t.finish()]
+    assert "".join(pieces) == tok.decode(ids) and not any("\ufffd" in p for p in pieces)
+    t = TextStream(tok, stop=["</s>"])
+    assert "".join(t.push([i]) for i in ids) + t.finish() == text[:text.index("</s>")] and t.stopped
+
+
+def test_server_chat_is_vanilla_decoding(smol):
+    """The OpenAI-compatible server on the real model and shipped head: a chat request's text is vanilla's."""
+    import json
+    import threading
+    import urllib.request
+
+    from eaglespec.cli import default_head
+    from eaglespec.models import eos_ids
+    from eaglespec.server import serve
+
+    model, tok = smol
+    path = default_head("smollm2-135m-instruct")
+    if path is None:
+        pytest.skip("no shipped head")
+    eng = Engine(model, EagleDraftHead.from_pretrained(path, model), tree="paper")
+    srv = serve(eng, tok, "smollm2", eos_ids(tok, model), port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPTS[1]}], "temperature": 0,
+                "max_tokens": 48}
+        req = urllib.request.Request(srv.url + "/v1/chat/completions", data=json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=120) as r:
+            got = json.loads(r.read())
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    van = eng.generate(chat(tok, PROMPTS[1]), 48, method="vanilla", eos_token_ids=eos_ids(tok, model))
+    assert got["choices"][0]["message"]["content"] == tok.decode(van.token_ids, skip_special_tokens=True)
+    assert got["usage"]["completion_tokens"] == len(van.token_ids) and got["eaglespec"]["tau"] > 1.5

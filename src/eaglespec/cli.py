@@ -1,4 +1,4 @@
-"""``eaglespec generate | extract | train | bench | profile`` — parses arguments and calls the library, nothing more.
+"""``eaglespec generate | serve | regenerate | extract | train | bench | profile`` — parses arguments and calls the library, nothing more.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -72,10 +72,21 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                    help="measure nothing: overlay saved cost_curve.json files in one PNG (--out DIR)")
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text with EAGLE (or vanilla) decoding")
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    """The model and how it decodes (generate and serve): --model, the head, --method, --tree, the kernels."""
     p.add_argument("--model", default="smollm2-135m-instruct")
     _add_head(p)
+    p.add_argument("--method", choices=["eagle", "vanilla"], default="eagle")
+    p.add_argument("--tree", default="paper", help=TREE_HELP)
+    p.add_argument("--draft-sampling", choices=["topk", "sample"], default="sample",
+                   help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
+    p.add_argument("--device", default="cpu")
+    _add_target_kernels(p)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with EAGLE (or vanilla) decoding")
+    _add_engine(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--system", default=None)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, no chat template")
@@ -84,13 +95,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--method", choices=["eagle", "vanilla"], default="eagle")
-    p.add_argument("--tree", default="paper", help=TREE_HELP)
-    p.add_argument("--draft-sampling", choices=["topk", "sample"], default="sample",
-                   help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
-    p.add_argument("--device", default="cpu")
-    _add_target_kernels(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    _add_engine(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the address is printed)")
+    p.add_argument("--model-id", default=None, help="the name clients send as `model` (default: --model)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of a request that gives none")
 
 
 def _add_extract(sub: argparse._SubParsersAction) -> None:
@@ -175,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eaglespec", description="Lossless EAGLE speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_regenerate(sub)
     _add_extract(sub)
     _add_train(sub)
@@ -183,19 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def cmd_generate(a: argparse.Namespace) -> int:
+def _load_engine(a: argparse.Namespace):
+    """The target, its tokenizer and an `Engine` (with the head when --method eagle), from generate's or
+    serve's arguments."""
     import torch
 
     from .engine import Engine
     from .head import EagleDraftHead
-    from .models import eos_ids, load_target
-    from .verify import SamplingParams
+    from .models import load_target
 
-    sp = SamplingParams(a.temperature, a.top_p, a.top_k)  # validates before any slow loading
-    if not a.prompt.strip():
-        raise EaglespecError("empty prompt")
-    if a.max_new_tokens < 1:
-        raise EaglespecError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise EaglespecError("--device cuda asked for, but CUDA is not available")
     model, tok = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed, compile=a.compile)
@@ -205,13 +216,26 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if head_path is None:
             raise EaglespecError(f"no draft head shipped for {a.model}; pass --head PATH or --method vanilla")
         head = EagleDraftHead.from_pretrained(head_path, model, draft_vocab=a.draft_vocab)
-    eng = Engine(model, head, tree=a.tree, draft_sampling=a.draft_sampling)
+    return Engine(model, head, tree=a.tree, draft_sampling=a.draft_sampling), tok
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .models import eos_ids
+    from .text import TextStream
+    from .verify import SamplingParams
+
+    sp = SamplingParams(a.temperature, a.top_p, a.top_k)  # validates before any slow loading
+    if not a.prompt.strip():
+        raise EaglespecError("empty prompt")
+    if a.max_new_tokens < 1:
+        raise EaglespecError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    eng, tok = _load_engine(a)
     if a.no_chat:
         ids = tok(a.prompt, add_special_tokens=True)["input_ids"]
     else:
         msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    eos = eos_ids(tok, model)
+    eos = eos_ids(tok, eng.model)
     if a.json:
         out = eng.generate(ids, a.max_new_tokens, sp, a.method, a.seed, eos)
         text = tok.decode(out.token_ids, skip_special_tokens=True)
@@ -219,15 +243,33 @@ def cmd_generate(a: argparse.Namespace) -> int:
                           "method": a.method, "tree": a.tree if a.method == "eagle" else None,
                           "prompt_tokens": len(ids), **out.stats.to_dict()}))
         return 0
-    shown, toks = "", []
+    text = TextStream(tok)
     for new, _ in eng.stream(ids, a.max_new_tokens, sp, a.method, a.seed, eos):
-        toks += new
-        text = tok.decode(toks, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-    sys.stdout.write(tok.decode(toks, skip_special_tokens=True)[len(shown):] + "\n")
+        sys.stdout.write(text.push(new))
+        sys.stdout.flush()
+    sys.stdout.write(text.finish() + "\n")
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .models import eos_ids
+    from .server import serve
+
+    if not 0 <= a.port <= 65535:
+        raise EaglespecError(f"--port must be in 0..65535, got {a.port}")
+    if a.max_tokens < 1:
+        raise EaglespecError(f"--max-tokens must be >= 1, got {a.max_tokens}")
+    eng, tok = _load_engine(a)
+    try:
+        srv = serve(eng, tok, a.model_id or a.model, eos_ids(tok, eng.model), a.host, a.port, a.method, a.max_tokens)
+    except OSError as e:
+        raise EaglespecError(f"cannot listen on {a.host}:{a.port} ({e.strerror or e})") from None
+    print(f"eaglespec: serving {srv.model_id} ({a.method}, tree {a.tree}) at {srv.url}/v1", file=sys.stderr,
+          flush=True)
+    try:
+        srv.serve_forever()
+    finally:
+        srv.server_close()
     return 0
 
 
@@ -363,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.quantize = fastest_quantizer()
     try:
-        return {"generate": cmd_generate, "regenerate": cmd_regenerate, "extract": cmd_extract, "train": cmd_train,
+        return {"generate": cmd_generate, "serve": cmd_serve, "regenerate": cmd_regenerate, "extract": cmd_extract, "train": cmd_train,
                 "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
     except (EaglespecError, ValueError) as e:
         print(f"eaglespec: error: {e}", file=sys.stderr)

@@ -1,0 +1,322 @@
+"""``eaglespec serve``: an OpenAI-compatible HTTP server over one `Engine`.
+
+    GET  /v1/models             the one model served
+    GET  /health                {"status": "ok"}
+    POST /v1/chat/completions   messages -> the target's chat template -> EAGLE decoding
+    POST /v1/completions        a raw text prompt (no template)
+
+``"stream": true`` answers with server-sent events (``data: {chunk}`` ... ``data: [DONE]``), as
+OpenAI's clients expect. Output is the target's own (EAGLE is lossless), so a client cannot tell
+the server from plain decoding except by its speed; each response also carries an ``eaglespec``
+object with the round statistics (tau, tokens/s).
+
+One request decodes at a time: the engine holds one KV cache, and on a CPU two decodes side by side
+would only split the same cores. Later requests wait their turn. Stdlib only (`http.server`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterator
+
+from transformers import PreTrainedTokenizerBase
+
+from .engine import Engine, GenerationStats
+from .errors import EaglespecError
+from .text import TextStream
+from .verify import SamplingParams
+
+MAX_BODY = 4 << 20  # bytes
+MAX_STOP = 4  # OpenAI's limit on stop strings
+FINISH = {"eos": "stop", "length": "length", "context": "length"}  # engine reason -> OpenAI's
+
+
+class RequestError(EaglespecError):
+    """A request the server refuses: an HTTP status and OpenAI's error object."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class Request:
+    """A validated completion request."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _number(body: dict, name: str, default: float, kind: type = float) -> Any:
+    val = body.get(name)
+    if val is None:
+        return default
+    ok = isinstance(val, int) if kind is int else isinstance(val, (int, float))
+    if isinstance(val, bool) or not ok:
+        raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {val!r}", name)
+    return val
+
+
+def _message_text(m: Any, i: int) -> dict:
+    if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+        raise RequestError(f"messages[{i}] must be an object with role system, user or assistant", "messages")
+    content = m.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise RequestError(f"messages[{i}].content must be a string", "messages")
+    role = "system" if m["role"] == "developer" else m["role"]
+    return {"role": role, "content": content}
+
+
+def parse_request(body: Any, tok: PreTrainedTokenizerBase, chat: bool, default_max_tokens: int) -> Request:
+    """Validate an OpenAI request body and tokenize its prompt; `RequestError` names the bad field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    for name, neutral in (("n", 1), ("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0)):
+        if body.get(name, neutral) not in (None, neutral):
+            raise RequestError(f"{name} is not supported (only {neutral}): it would change the target's output", name)
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("logit_bias") or body.get("echo") \
+            or body.get("suffix") or body.get("tools") or body.get("response_format"):
+        bad = next(k for k in ("logprobs", "top_logprobs", "logit_bias", "echo", "suffix", "tools", "response_format")
+                   if body.get(k))
+        raise RequestError(f"{bad} is not supported", bad)
+    max_tokens = _number(body, "max_completion_tokens", None, int) if chat else None
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", default_max_tokens, int)
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    temperature = _number(body, "temperature", 1.0)  # OpenAI's default
+    top_p = _number(body, "top_p", 1.0)
+    top_k = _number(body, "top_k", 0, int)  # not OpenAI's, but vLLM's and llama.cpp's
+    try:
+        sampling = SamplingParams(float(temperature), float(top_p), top_k)
+    except ValueError as e:
+        raise RequestError(str(e), next(n for n in ("temperature", "top_p", "top_k") if n in str(e))) from None
+    seed = _number(body, "seed", None, int)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP):
+        raise RequestError(f"stop must be a string or a list of at most {MAX_STOP} strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be true or false", "stream")
+    opts = body.get("stream_options") or {}
+    include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise RequestError("messages must be a non-empty list", "messages")
+        msgs = [_message_text(m, i) for i, m in enumerate(msgs)]
+        if not any(m["content"].strip() for m in msgs):
+            raise RequestError("every message is empty", "messages")
+        if tok.chat_template is None:
+            raise RequestError("this model has no chat template: use /v1/completions", "messages")
+        ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise RequestError("prompt must be a string (one prompt per request)", "prompt")
+        if not prompt.strip():
+            raise RequestError("empty prompt", "prompt")
+        ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    return Request(ids, max_tokens, sampling, seed, stop, stream, include_usage)
+
+
+class Completion:
+    """Runs one request on the engine and turns its tokens into OpenAI's response objects."""
+
+    def __init__(self, server: "EagleServer", req: Request, chat: bool) -> None:
+        self.server, self.req, self.chat = server, req, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.stats = GenerationStats()
+        self.finish_reason = "length"
+
+    def pieces(self) -> Iterator[str]:
+        """The completion's text, piece by piece as the engine accepts tokens (call with the lock held)."""
+        s, req = self.server, self.req
+        text = TextStream(s.tok, req.stop)
+        try:
+            for new, reason in s.engine.stream(req.prompt_ids, req.max_tokens, req.sampling, s.method, req.seed,
+                                               s.eos, self.stats):
+                self.finish_reason = FINISH[reason]
+                piece = text.push(new)
+                if text.stopped:
+                    self.finish_reason = "stop"
+                    yield piece
+                    return
+                if piece:
+                    yield piece
+            yield text.finish()
+        except EaglespecError as e:  # e.g. a prompt longer than the context: the engine checks first
+            raise RequestError(str(e), "messages" if self.chat else "prompt") from None
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.server.model_id}
+
+    def usage(self) -> dict:
+        n, m = len(self.req.prompt_ids), self.stats.new_tokens
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+    def extras(self) -> dict:
+        st = self.stats
+        return {"method": self.server.method, "tau": round(st.tau, 3), "rounds": st.rounds,
+                "tokens_per_s": round(st.tokens_per_s, 1)}
+
+    def response(self, text: str) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": self.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
+        return {**self._base("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": self.usage(), "eaglespec": self.extras()}
+
+    def chunk(self, piece: str | None, finish: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {} if piece is None else {"content": piece}
+            if first:
+                delta = {"role": "assistant", **delta}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+        return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+
+    def chunks(self) -> Iterator[dict]:
+        if self.chat:
+            yield self.chunk("", first=True)
+        for piece in self.pieces():
+            if piece:
+                yield self.chunk(piece)
+        yield {**self.chunk(None, self.finish_reason), "eaglespec": self.extras()}
+        if self.req.include_usage:
+            yield {**self._base(self.chunk(None)["object"]), "choices": [], "usage": self.usage()}
+
+
+class EagleServer(ThreadingHTTPServer):
+    """The HTTP server: one engine, one tokenizer, one request decoding at a time."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], engine: Engine, tok: PreTrainedTokenizerBase, model_id: str,
+                 eos: list[int], method: str = "eagle", default_max_tokens: int = 1024) -> None:
+        super().__init__(address, Handler)
+        self.engine, self.tok, self.model_id, self.eos = engine, tok, model_id, eos
+        self.method, self.default_max_tokens = method, default_max_tokens
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: EagleServer
+    protocol_version = "HTTP/1.1"
+
+    def _send_json(self, obj: dict, status: int = 200) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _fail(self, e: RequestError) -> None:
+        self._send_json(e.body(), e.status)
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0].rstrip("/")
+        if path == "/health":
+            self._send_json({"status": "ok"})
+        elif path == "/v1/models":
+            self._send_json({"object": "list", "data": [
+                {"id": self.server.model_id, "object": "model", "created": 0, "owned_by": "eaglespec"}]})
+        else:
+            self._fail(RequestError(f"no such endpoint: GET {path}", status=404, kind="not_found_error"))
+
+    def do_POST(self) -> None:
+        path = self.path.split("?")[0].rstrip("/")
+        try:
+            if path not in ("/v1/chat/completions", "/v1/completions"):
+                raise RequestError(f"no such endpoint: POST {path}", status=404, kind="not_found_error")
+            size = int(self.headers.get("Content-Length") or 0)
+            if size > MAX_BODY:
+                raise RequestError(f"request body over {MAX_BODY} bytes", status=413)
+            try:
+                body = json.loads(self.rfile.read(size) or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RequestError(f"the request body is not valid JSON ({e})") from None
+            model = body.get("model") if isinstance(body, dict) else None
+            if model not in (None, self.server.model_id):
+                raise RequestError(f"model {model!r} is not served here; this server serves "
+                                   f"{self.server.model_id!r}", "model", 404, "not_found_error")
+            chat = path == "/v1/chat/completions"
+            req = parse_request(body, self.server.tok, chat, self.server.default_max_tokens)
+            self.server.engine.check_request(req.prompt_ids, req.max_tokens, self.server.method)
+        except RequestError as e:
+            return self._fail(e)
+        except EaglespecError as e:
+            return self._fail(RequestError(str(e)))
+        done = Completion(self.server, req, chat)
+        with self.server.lock:
+            if req.stream:
+                self._stream(done)
+            else:
+                try:
+                    text = "".join(done.pieces())
+                except RequestError as e:
+                    return self._fail(e)
+                self._send_json(done.response(text))
+
+    def _stream(self, done: Completion) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the stream ends when the connection does
+        self.end_headers()
+        self.close_connection = True
+        events = done.chunks()
+        try:
+            for obj in events:
+                self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+        except RequestError as e:  # found once decoding began: reported in the stream
+            self.wfile.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            events.close()  # the client left: stop decoding, free the engine for the next request
+
+
+def serve(engine: Engine, tok: PreTrainedTokenizerBase, model_id: str, eos: list[int], host: str = "127.0.0.1",
+          port: int = 8000, method: str = "eagle", default_max_tokens: int = 1024, warm_up: bool = True
+          ) -> EagleServer:
+    """An `EagleServer` bound to host:port (port 0: any free one), not yet serving: call
+    ``serve_forever()`` on it (in a thread, for tests) and ``shutdown()`` to stop. `warm_up` decodes a
+    few tokens first, so that the first client does not wait for `--tree auto`'s cost curve (measured
+    once per machine) or for the kernels' first calls."""
+    srv = EagleServer((host, port), engine, tok, model_id, eos, method, default_max_tokens)
+    if warm_up:
+        engine.generate(tok("Hello")["input_ids"] or [0], 4, SamplingParams(), method, eos_token_ids=eos)
+    return srv

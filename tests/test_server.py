@@ -1,0 +1,217 @@
+"""The OpenAI-compatible server (tiny target over real HTTP) and the text stream under it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from eaglespec.engine import Engine
+from eaglespec.head import EagleDraftHead
+from eaglespec.models import eos_ids, load_target
+from eaglespec.server import serve
+from eaglespec.text import TextStream
+from eaglespec.verify import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_dirs):
+    model, tok = load_target(str(tiny_dirs / "model"))
+    head = EagleDraftHead.from_pretrained(str(tiny_dirs / "head"), model)
+    s = serve(Engine(model, head, tree="paper"), tok, "tiny", eos_ids(tok, model), port=0)
+    threading.Thread(target=s.serve_forever, daemon=True).start()
+    yield s
+    s.shutdown()
+    s.server_close()
+
+
+def vanilla(s, ids: list[int], n: int, temperature: float = 0.0, seed: int | None = None) -> tuple[str, list[int], str]:
+    out = Engine(s.engine.model).generate(ids, n, SamplingParams(temperature), "vanilla", seed, s.eos)
+    return s.tok.decode(out.token_ids, skip_special_tokens=True), out.token_ids, out.finish_reason
+
+
+def chat_ids(s, text: str) -> list[int]:
+    return list(s.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True))
+
+
+def post(s, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(s.url + path, data=raw if raw is not None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def post_stream(s, path: str, body: dict) -> list:
+    """The server-sent events of a streamed request: parsed chunks, then the literal "[DONE]"."""
+    req = urllib.request.Request(s.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"] == "text/event-stream"
+        events = [line[6:] for line in r.read().decode().split("\n\n") if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_chat_greedy_is_vanilla_decoding(srv):
+    status, r = post(srv, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5 w9"}],
+                                                   "temperature": 0, "max_tokens": 24})
+    assert status == 200, r
+    prompt = chat_ids(srv, "w5 w9")
+    text, ids, reason = vanilla(srv, prompt, 24)
+    assert r["object"] == "chat.completion" and r["model"] == "tiny" and r["id"].startswith("chatcmpl-")
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": text}
+    n = len(prompt)
+    assert r["usage"] == {"prompt_tokens": n, "completion_tokens": len(ids), "total_tokens": n + len(ids)}
+    assert r["choices"][0]["finish_reason"] == {"eos": "stop", "length": "length"}[reason]
+    assert r["eaglespec"]["method"] == "eagle" and r["eaglespec"]["tau"] > 1  # drafts were accepted
+
+
+def test_stream_is_the_same_text(srv):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "w30 w31 w32"}]}], "temperature": 0,
+            "max_tokens": 24, "stream_options": {"include_usage": True}}
+    events = post_stream(srv, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == vanilla(srv, chat_ids(srv, "w30 w31 w32"), 24)[0]  # 24 tokens, no EOS
+    assert len(chunks) > 3  # it came in pieces
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 24
+
+
+def test_completions_take_raw_text(srv):
+    status, r = post(srv, "/v1/completions", {"prompt": "w5 w9 w17", "temperature": 0, "max_tokens": 16})
+    assert status == 200, r
+    assert r["object"] == "text_completion"
+    assert r["choices"][0]["text"] == vanilla(srv, srv.tok("w5 w9 w17")["input_ids"], 16)[0]
+    streamed = post_stream(srv, "/v1/completions", {"prompt": ["w5 w9 w17"], "temperature": 0, "max_tokens": 16})
+    assert "".join(c["choices"][0]["text"] for c in streamed[:-1]) == r["choices"][0]["text"]
+
+
+def test_stop_strings_cut_the_text(srv):
+    full, _, _ = vanilla(srv, srv.tok("w5 w9 w17")["input_ids"], 40)
+    words = full.split()
+    stop = " " + words[len(words) // 2]  # spans two tokens' text: the space and the word
+    want = full[:full.find(stop)]
+    body = {"prompt": "w5 w9 w17", "temperature": 0, "max_tokens": 40, "stop": ["never there", stop]}
+    status, r = post(srv, "/v1/completions", body)
+    assert status == 200, r
+    assert r["choices"][0] == {"index": 0, "text": want, "finish_reason": "stop", "logprobs": None}
+    streamed = post_stream(srv, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in streamed[:-1]) == want
+    assert streamed[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sampling_follows_the_seed_and_the_parameters(srv):
+    body = {"prompt": "w30 w31 w32", "temperature": 0.9, "top_p": 0.8, "seed": 7, "max_tokens": 30}
+    texts = [post(srv, "/v1/completions", body)[1]["choices"][0]["text"] for _ in range(2)]
+    assert texts[0] == texts[1]
+    ids = srv.tok("w30 w31 w32")["input_ids"]
+    out = srv.engine.generate(ids, 30, SamplingParams(0.9, 0.8), "eagle", 7, srv.eos)
+    assert texts[0] == srv.tok.decode(out.token_ids, skip_special_tokens=True)
+    other = post(srv, "/v1/completions", {**body, "seed": 8})[1]["choices"][0]["text"]
+    assert other != texts[0]
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "  "}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "w5"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "w5"}, 400, "messages"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["w5", "w6"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "w5", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "w5", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "w5", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "w5", "top_k": -1}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "w5", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "w5", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "w5", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "w5", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "w5", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": " ".join(["w3"] * 600)}, 400, None),  # longer than the context
+    ("/v1/completions", {"prompt": "w5", "model": "gpt-4o"}, 404, "model"),
+    ("/v1/embeddings", {"input": "w5"}, 404, None),
+    ("/v1/completions", [1, 2], 400, None),
+])
+def test_bad_requests_get_openai_errors(srv, path, body, status, param):
+    code, r = post(srv, path, body)
+    assert code == status, r
+    assert set(r) == {"error"} and r["error"]["param"] == param and r["error"]["message"]
+
+
+def test_bad_json_and_other_endpoints(srv):
+    code, r = post(srv, "/v1/completions", None, raw=b"{not json")
+    assert code == 400 and "not valid JSON" in r["error"]["message"]
+    with urllib.request.urlopen(srv.url + "/v1/models") as resp:
+        assert json.loads(resp.read())["data"][0]["id"] == "tiny"
+    with urllib.request.urlopen(srv.url + "/health") as resp:
+        assert json.loads(resp.read()) == {"status": "ok"}
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(srv.url + "/v2/nothing")
+    assert e.value.code == 404
+
+
+def test_requests_side_by_side_get_their_own_answers(srv):
+    prompts = ["w5 w9", "w30 w31 w32", "w7", "w100 w101"]
+    want = [vanilla(srv, srv.tok(p)["input_ids"], 20)[0] for p in prompts]
+    got: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        got[i] = post(srv, "/v1/completions", {"prompt": prompts[i], "temperature": 0, "max_tokens": 20})[1][
+            "choices"][0]["text"]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [got.get(i) for i in range(len(prompts))] == want
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_engine(srv):
+    host, port = srv.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "w30 w31 w32", "max_tokens": 400, "stream": True,
+                                                        "temperature": 1, "seed": 1}))
+    resp = conn.getresponse()
+    assert resp.readline().startswith(b"data: ")
+    conn.close()
+    status, r = post(srv, "/v1/completions", {"prompt": "w5 w9", "temperature": 0, "max_tokens": 8})
+    assert status == 200 and r["choices"][0]["text"] == vanilla(srv, srv.tok("w5 w9")["input_ids"], 8)[0]
+
+
+class BytesTok:
+    """A tokenizer whose tokens are raw bytes, to split characters and stop strings across tokens."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_waits_for_whole_characters_and_stop_strings():
+    tok = BytesTok([b"ab", b"c<", b"/s", b">d", "é".encode()[:1], "é".encode()[1:], b"<x"])
+    t = TextStream(tok, stop=["</s>"])
+    assert [t.push([i]) for i in (0, 1, 2)] == ["ab", "c", ""]  # "<" and "</s" might begin the stop string
+    assert t.push([3]) == "" and t.stopped and t.text == "abc"
+    assert t.push([4]) == "" and t.finish() == ""  # after the stop nothing more comes
+    t = TextStream(tok, stop=["</s>"])
+    assert t.push([1]) == "c"
+    assert t.push([6]) == "<<x"  # a false alarm is released once the text moves on
+    assert t.push([0]) == "ab" and t.finish() == ""
+    t = TextStream(tok)
+    assert t.push([4]) == "" and t.push([5]) == "é"  # half a character is held back
+    assert t.push([4]) == "" and t.finish() == "\ufffd"  # ... until the end
