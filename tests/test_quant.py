@@ -189,6 +189,25 @@ def test_bf16dot_kernel_sums_rounded_inputs_and_weights_and_each_row_alone(bias)
 
 
 @needs_bf16dot
+def test_dot_kernels_round_inputs_as_torch_does():
+    """The -dot kernels round fp32 inputs to bf16 themselves: to nearest, ties to even, as
+    `.to(torch.bfloat16)`. Through an identity weight each output is its rounded input, ties included
+    (which random inputs almost never hit)."""
+    from eaglespec.quant import Bf16DotLinear
+
+    lin = torch.nn.Linear(32, 32, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(32))
+    ulp = 2.0 ** -7  # bf16's spacing at 1
+    ties = torch.tensor([1 + ulp / 2, 1 + 3 * ulp / 2, -(1 + ulp / 2), -(1 + 3 * ulp / 2), 3 * 2.0 ** 100 * (1 + ulp / 2)])
+    x = torch.cat([ties, torch.randn(27) * torch.logspace(-30, 30, 27)]).view(1, 32)
+    with torch.no_grad():
+        y = Bf16DotLinear(lin)(x)
+    assert torch.equal(y, x.to(torch.bfloat16).float())
+    assert y[0, 0] == 1 and y[0, 1] == 1 + 2 * ulp  # ties to even: down, then up
+
+
+@needs_bf16dot
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4dot_kernel_sums_rounded_inputs_and_int4_weights_and_each_row_alone(bias):
     """int4-dot: the sums of bf16(x) * (q * scale + minimum) (Int4Linear's very codes), to fp32
@@ -650,7 +669,7 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
         before = torch._dynamo.utils.counters["frames"]["ok"]
         calls = []
         real = kernels._run
-        kernels._run = lambda *a: calls.append(1) or real(*a)
+        kernels._run = lambda *a, **kw: calls.append(1) or real(*a, **kw)
         try:
             vanilla = Engine(model, None).generate(PROMPTS[0], 16, method="vanilla").token_ids
         finally:

@@ -97,9 +97,10 @@ def _lib() -> ctypes.CDLL | None:
     q4.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     q4.restype = None
-    if hasattr(lib, "skinny_linear_q4dot"):
-        lib.skinny_linear_q4dot.argtypes, lib.skinny_linear_q4dot.restype = q4.argtypes, None
-    for extra in ("skinny_linear_bf16", "skinny_linear_bf16dot"):
+    for dot in ("skinny_linear_q4dot", "skinny_linear_q4dot_f32"):
+        if hasattr(lib, dot):
+            getattr(lib, dot).argtypes, getattr(lib, dot).restype = q4.argtypes, None
+    for extra in ("skinny_linear_bf16", "skinny_linear_bf16dot", "skinny_linear_bf16dot_f32"):
         if hasattr(lib, extra):
             getattr(lib, extra).argtypes = fn.argtypes
             getattr(lib, extra).restype = None
@@ -141,11 +142,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _run(fn: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tuple[torch.Tensor, ...],
-         bias: torch.Tensor | None) -> torch.Tensor:
-    """Both kernels take (x, M, K, *weights, N, bias, y, threads)."""
+         bias: torch.Tensor | None, pairs: bool = False) -> torch.Tensor:
+    """Every kernel takes (x, M, K, *weights, N, bias, y, threads). `pairs`: K counts pairs of inputs
+    (the -dot kernels' _f32 entry points, which round fp32 x to bf16 themselves)."""
     m, kx = x.shape
-    if kx != k:
-        raise ValueError(f"input has {kx} features, the weight expects {k}")
+    if kx != (2 * k if pairs else k):
+        raise ValueError(f"input has {kx} features, the weight expects {2 * k if pairs else k}")
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     fn(x.data_ptr(), m, k, *(w.data_ptr() for w in weights), n, None if bias is None else bias.data_ptr(),
@@ -223,8 +225,9 @@ def linear_bf16dot(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     to bf16 (to nearest even), then products of pairs are summed in fp32."""
     if torch.compiler.is_compiling():
         return torch.ops.eaglespec.skinny_linear_bf16dot(x, packed, bias)
-    pairs = x.to(torch.bfloat16).contiguous().view(torch.int32)  # (M, K / 2), the pair order of `packed`
-    return _run(_lib().skinny_linear_bf16dot, pairs, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias)
+    # (M, K / 2) pairs in the order of `packed`, rounded to bf16 by the kernel
+    return _run(_lib().skinny_linear_bf16dot_f32, x, packed.shape[1], packed.shape[0] * BLOCK, (packed,), bias,
+                pairs=True)
 
 
 def pack_q4dot(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -244,9 +247,8 @@ def linear_q4dot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shif
     (its `shifted_min` is minimum - 128 * scale): x rounded to bf16, then summed against 128 + q."""
     if torch.compiler.is_compiling():
         return torch.ops.eaglespec.skinny_linear_q4dot(x, codes, scale, shifted_min, bias)
-    pairs = x.to(torch.bfloat16).contiguous().view(torch.int32)
-    return _run(_lib().skinny_linear_q4dot, pairs, codes.shape[1], codes.shape[0] * BLOCK,
-                (codes, scale, shifted_min), bias)
+    return _run(_lib().skinny_linear_q4dot_f32, x, codes.shape[1], codes.shape[0] * BLOCK,
+                (codes, scale, shifted_min), bias, pairs=True)
 
 
 def attention_available() -> bool:

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import kernels
 from .errors import EaglespecError
+from .lean import lean_layers
 
 
 class Int8Linear(nn.Module):
@@ -316,8 +317,8 @@ def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True,
     `Bf16DotLinear` or `Int4DotLinear` (`kind` = one of QUANTIZERS), in place.
 
     The input embedding stays as it is (a lookup reads one row, not the whole matrix), so a tied
-    LM head gets its own quantized copy. ``fuse``: q/k/v and gate/up as one int4 matmul each, and
-    `FastRMSNorm`s (eager decoding; a model for `torch.compile` keeps them apart, since the fused
+    LM head gets its own quantized copy. ``fuse``: q/k/v and gate/up as one int4 matmul each,
+    `FastRMSNorm`s and `lean.lean_layers` (eager decoding; a model for `torch.compile` keeps them apart, since the fused
     parts share a cache by tensor identity that the compiler need not see).
     """
     make = dict(zip(QUANTIZERS, (Int8Linear, Int4Linear, Bf16Linear, Bf16DotLinear, Int4DotLinear)))[kind]
@@ -326,6 +327,7 @@ def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True,
     if kind != "int8" and fuse:
         fuse_projections(decoder, inner)
         fast_norms(decoder)
+        lean_layers(decoder)
     replace_linears(decoder, inner, lambda lin: isinstance(lin, nn.Linear))
     if lm_head and isinstance(model.get_output_embeddings(), nn.Linear):
         model.set_output_embeddings(make(model.get_output_embeddings()))
@@ -405,10 +407,12 @@ def pack_linears(module: nn.Module) -> nn.Module:
 def pack_target(model: nn.Module, fuse: bool = True) -> nn.Module:
     """Pack the decoder's linear layers and the LM head of a causal LM (outputs equal up to float
     rounding). ``fuse``: q/k/v and gate/up as one call each on eaglespec's kernel, as for the
-    quantized targets (same bits), and `FastRMSNorm`s; not for `torch.compile` (see `quantize_weights`)."""
+    quantized targets (same bits), `FastRMSNorm`s and lean layers (`lean.lean_layers`, same bits); not
+    for `torch.compile` (see `quantize_weights`)."""
     if fuse and kernels.available():
         fuse_projections(model.get_decoder(), PackedLinear)
         fast_norms(model.get_decoder())
+        lean_layers(model.get_decoder())
     pack_linears(model.get_decoder())
     head = model.get_output_embeddings()
     if type(head) is nn.Linear and packed_linear_available():
