@@ -229,3 +229,40 @@ def test_serve_subprocess_answers_and_stops(tiny_dirs):
         rc = p.wait(30)
         err = p.stderr.read()
     assert rc == 130 and "Traceback" not in err
+
+
+def test_chat_keeps_the_conversation(tiny_dirs, run, monkeypatch):
+    """Each line is a turn answered with the whole conversation so far; /reset forgets it; the answers
+    are vanilla decoding's."""
+    import io
+
+    from eaglespec.engine import Engine
+    from eaglespec.models import load_target
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("w30 w31\n\nw7\n/reset\nw7\n/exit\nw9\n"))
+    rc, out, err = run("chat", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"),
+                       "--max-new-tokens", "6", "--stats")
+    assert rc == 0, err
+    model, tok = load_target(str(tiny_dirs / "model"))
+    eng = Engine(model)
+
+    def answer(msgs):
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return tok.decode(eng.generate(ids, 6, method="vanilla", eos_token_ids=[1]).token_ids, skip_special_tokens=True)
+    first = answer([{"role": "user", "content": "w30 w31"}])
+    second = answer([{"role": "user", "content": "w30 w31"}, {"role": "assistant", "content": first},
+                     {"role": "user", "content": "w7"}])
+    fresh = answer([{"role": "user", "content": "w7"}])
+    assert second != fresh  # the history matters, so the test can tell /reset from no reset
+    assert out.splitlines() == [first, second, fresh]  # nothing after /exit
+    assert err.count("tau") == 3
+
+
+def test_chat_survives_a_conversation_longer_than_the_context(tiny_dirs, run, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(" ".join(["w3"] * 600) + "\nw7\n"))
+    rc, out, err = run("chat", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"),
+                       "--max-new-tokens", "4")
+    assert rc == 0 and "context" in err and "/reset" in err and "Traceback" not in err
+    assert len(out.splitlines()) == 1  # the next line was answered

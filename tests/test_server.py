@@ -164,6 +164,20 @@ def test_bad_json_and_other_endpoints(srv):
     assert e.value.code == 404
 
 
+def test_one_connection_serves_requests_after_an_error(srv):
+    """Keep-alive: a refused request's body is read all the same, so the next request on the same
+    connection is parsed from its own first byte."""
+    host, port = srv.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    for path, body, status in (("/v1/embeddings", {"input": "w5 " * 50}, 404),
+                               ("/v1/completions", {"prompt": "w5", "n": 3}, 400),
+                               ("/v1/completions", {"prompt": "w5 w9 w17", "temperature": 0, "max_tokens": 4}, 200)):
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == status and json.loads(resp.read())
+    conn.close()
+
+
 def test_requests_side_by_side_get_their_own_answers(srv):
     prompts = ["w5 w9", "w30 w31 w32", "w7", "w100 w101"]
     want = [vanilla(srv, srv.tok(p)["input_ids"], 20)[0] for p in prompts]

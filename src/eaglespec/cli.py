@@ -1,4 +1,4 @@
-"""``eaglespec generate | serve | regenerate | extract | train | bench | profile`` — parses arguments and calls the library, nothing more.
+"""``eaglespec generate | chat | serve | regenerate | extract | train | bench | profile`` — parses arguments and calls the library, nothing more.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -90,12 +90,24 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--system", default=None)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, no chat template")
+    _add_sampling(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="chat in the terminal: each line you type is a turn, answers stream as they come")
+    _add_engine(p)
+    p.add_argument("--system", default=None)
+    _add_sampling(p)
+    p.add_argument("--stats", action="store_true", help="after each answer, print tau and tokens/s to stderr")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -189,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eaglespec", description="Lossless EAGLE speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_chat(sub)
     _add_serve(sub)
     _add_regenerate(sub)
     _add_extract(sub)
@@ -222,13 +235,10 @@ def _load_engine(a: argparse.Namespace):
 def cmd_generate(a: argparse.Namespace) -> int:
     from .models import eos_ids
     from .text import TextStream
-    from .verify import SamplingParams
 
-    sp = SamplingParams(a.temperature, a.top_p, a.top_k)  # validates before any slow loading
+    sp = _check_sampling(a)
     if not a.prompt.strip():
         raise EaglespecError("empty prompt")
-    if a.max_new_tokens < 1:
-        raise EaglespecError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     eng, tok = _load_engine(a)
     if a.no_chat:
         ids = tok(a.prompt, add_special_tokens=True)["input_ids"]
@@ -249,6 +259,60 @@ def cmd_generate(a: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write(text.finish() + "\n")
     return 0
+
+
+def _check_sampling(a: argparse.Namespace):
+    """generate's and chat's sampling options, checked before any slow loading."""
+    from .verify import SamplingParams
+
+    sp = SamplingParams(a.temperature, a.top_p, a.top_k)
+    if a.max_new_tokens < 1:
+        raise EaglespecError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    return sp
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from .engine import GenerationStats
+    from .models import eos_ids
+    from .text import TextStream
+
+    sp = _check_sampling(a)
+    eng, tok = _load_engine(a)
+    if tok.chat_template is None:
+        raise EaglespecError(f"{a.model} has no chat template: use `eaglespec generate --no-chat`")
+    eos, tty = eos_ids(tok, eng.model), sys.stdin.isatty()
+    system = [{"role": "system", "content": a.system}] if a.system else []
+    history: list[dict] = []
+    if tty:
+        print("eaglespec chat: a line is a turn; /reset forgets the conversation, /exit or Ctrl-D ends it",
+              file=sys.stderr)
+    while True:
+        if tty:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            history = []
+            continue
+        if not line.strip():
+            continue
+        turn = history + [{"role": "user", "content": line.strip()}]
+        ids = tok.apply_chat_template(system + turn, add_generation_prompt=True, tokenize=True)
+        try:
+            eng.check_request(ids, a.max_new_tokens, a.method)
+        except EaglespecError as e:  # a conversation grown past the context: say so, keep chatting
+            print(f"eaglespec: {e}; /reset to start over", file=sys.stderr)
+            continue
+        text, stats = TextStream(tok), GenerationStats()
+        for new, _ in eng.stream(ids, a.max_new_tokens, sp, a.method, a.seed, eos, stats):
+            sys.stdout.write(text.push(new))
+            sys.stdout.flush()
+        sys.stdout.write(text.finish() + "\n")
+        sys.stdout.flush()
+        history = turn + [{"role": "assistant", "content": text.text}]
+        if a.stats:
+            print(f"[{stats.new_tokens} tokens, tau {stats.tau:.2f}, {stats.tokens_per_s:.1f} tok/s]", file=sys.stderr)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -405,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.quantize = fastest_quantizer()
     try:
-        return {"generate": cmd_generate, "serve": cmd_serve, "regenerate": cmd_regenerate, "extract": cmd_extract, "train": cmd_train,
+        return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "regenerate": cmd_regenerate, "extract": cmd_extract, "train": cmd_train,
                 "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
     except (EaglespecError, ValueError) as e:
         print(f"eaglespec: error: {e}", file=sys.stderr)

@@ -259,13 +259,15 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         path = self.path.split("?")[0].rstrip("/")
         try:
-            if path not in ("/v1/chat/completions", "/v1/completions"):
-                raise RequestError(f"no such endpoint: POST {path}", status=404, kind="not_found_error")
             size = int(self.headers.get("Content-Length") or 0)
             if size > MAX_BODY:
+                self.close_connection = True  # the unread body must not be taken for the next request
                 raise RequestError(f"request body over {MAX_BODY} bytes", status=413)
+            raw = self.rfile.read(size)
+            if path not in ("/v1/chat/completions", "/v1/completions"):
+                raise RequestError(f"no such endpoint: POST {path}", status=404, kind="not_found_error")
             try:
-                body = json.loads(self.rfile.read(size) or b"null")
+                body = json.loads(raw or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(f"the request body is not valid JSON ({e})") from None
             model = body.get("model") if isinstance(body, dict) else None
@@ -273,22 +275,20 @@ class Handler(BaseHTTPRequestHandler):
                 raise RequestError(f"model {model!r} is not served here; this server serves "
                                    f"{self.server.model_id!r}", "model", 404, "not_found_error")
             chat = path == "/v1/chat/completions"
-            req = parse_request(body, self.server.tok, chat, self.server.default_max_tokens)
-            self.server.engine.check_request(req.prompt_ids, req.max_tokens, self.server.method)
+            # the lock covers the tokenizer too: a fast tokenizer used from two threads at once can
+            # fail ("Already borrowed")
+            with self.server.lock:
+                req = parse_request(body, self.server.tok, chat, self.server.default_max_tokens)
+                self.server.engine.check_request(req.prompt_ids, req.max_tokens, self.server.method)
+                done = Completion(self.server, req, chat)
+                if req.stream:
+                    return self._stream(done)
+                text = "".join(done.pieces())
+            self._send_json(done.response(text))
         except RequestError as e:
-            return self._fail(e)
+            self._fail(e)
         except EaglespecError as e:
-            return self._fail(RequestError(str(e)))
-        done = Completion(self.server, req, chat)
-        with self.server.lock:
-            if req.stream:
-                self._stream(done)
-            else:
-                try:
-                    text = "".join(done.pieces())
-                except RequestError as e:
-                    return self._fail(e)
-                self._send_json(done.response(text))
+            self._fail(RequestError(str(e)))
 
     def _stream(self, done: Completion) -> None:
         self.send_response(200)
