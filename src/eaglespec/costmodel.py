@@ -103,6 +103,8 @@ def machine_info(engine: "Engine") -> dict:
         info["packed_kernel"] = cfg.eaglespec_packed_kernel
     if getattr(cfg, "eaglespec_compiled", False):  # only when set, so eager profiles keep their cache key
         info["compiled"] = True
+    if engine.head is not None and engine.head.kernels is not None:  # a quantized head drafts faster
+        info["head_kernels"] = engine.head.kernels
     if engine.head is not None and engine.head.num_layers > 1:  # a deeper head drafts slower (same rule)
         info["head_layers"] = engine.head.num_layers
     return info

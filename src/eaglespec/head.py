@@ -92,6 +92,7 @@ class EagleDraftHead(nn.Module):
         self._frozen: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
         self._w_draft: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, not saved
         self._packed_draft: nn.Module | None = None  # the same rows, pre-packed (inference only)
+        self.kernels: str | None = None  # what `pack` chose ("packed", "int4-dot", ...); None = unpacked
         # Reduced draft vocabulary (FR-Spec / EAGLE-3 style): draft id -> target id. The head only
         # ever proposes these tokens, which keeps verification lossless and makes drafting cheaper.
         self.register_buffer("d2t", None if draft_vocab is None else draft_vocab.long().clone())
@@ -285,8 +286,9 @@ class EagleDraftHead(nn.Module):
         from .quant import (Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, PackedLinear, int4_available,
                             pack_linears, packed_linear_available, replace_linears)
 
-        if next(self.parameters()).device.type != "cpu" or self._packed_draft is not None:
-            return self
+        if next(self.parameters()).device.type != "cpu" or self.kernels is not None:
+            return self  # packed once: the first choice stays
+        self.kernels = kind
         if kind == "int4" and int4_available():
             make = partial(Int4Linear, keep_weight=False)
             replace_linears(self, make)
@@ -294,12 +296,15 @@ class EagleDraftHead(nn.Module):
             # int4-dot: the head's own layers in bf16-dot (trained in fp32, not made for 4 bits); its
             # draft LM head, rows of the target's, in int4-dot below
             make = Bf16DotLinear if kind != "bf16" and bf16dot_available() else Bf16Linear
+            if make is Bf16Linear:
+                self.kernels = "bf16"
             replace_linears(self, make, lambda m: type(m) is nn.Linear and m.weight.shape[0] % BLOCK == 0
                             and (make is Bf16Linear or m.weight.shape[1] % 2 == 0))  # bf16-dot: pairs of inputs
         elif packed_linear_available():
-            make = PackedLinear
+            make, self.kernels = PackedLinear, "packed"
             pack_linears(self)
         else:
+            self.kernels = None
             return self
         if self.d2t is not None:
             if self._w_draft is None:
