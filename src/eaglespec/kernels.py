@@ -146,6 +146,8 @@ def _run(fn: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tuple[t
     """Every kernel takes (x, M, K, *weights, N, bias, y, threads). `pairs`: K counts pairs of inputs
     (the -dot kernels' _f32 entry points, which round fp32 x to bf16 themselves)."""
     m, kx = x.shape
+    if x.dtype != torch.float32:
+        raise TypeError(f"the kernels take fp32 inputs, got {x.dtype}")
     if kx != (2 * k if pairs else k):
         raise ValueError(f"input has {kx} features, the weight expects {2 * k if pairs else k}")
     x = x.contiguous()
