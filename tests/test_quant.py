@@ -205,6 +205,10 @@ def test_dot_kernels_round_inputs_as_torch_does():
         y = Bf16DotLinear(lin)(x)
     assert torch.equal(y, x.to(torch.bfloat16).float())
     assert y[0, 0] == 1 and y[0, 1] == 1 + 2 * ulp  # ties to even: down, then up
+    from eaglespec import kernels
+
+    with pytest.raises(TypeError, match="fp32 inputs"):  # the kernel would read bf16 bytes as floats
+        kernels.linear_bf16dot(x.to(torch.bfloat16), Bf16DotLinear(lin).packed)
 
 
 @needs_bf16dot
