@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_engine(a: argparse.Namespace):
-    """The target, its tokenizer and an `Engine` (with the head when --method eagle), from generate's or
-    serve's arguments."""
+    """The target's `Engine` (with the head when --method eagle) and its tokenizer, from generate's,
+    chat's or serve's arguments."""
     import torch
 
     from .engine import Engine
@@ -234,7 +234,6 @@ def _load_engine(a: argparse.Namespace):
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from .models import eos_ids
-    from .text import TextStream
 
     sp = _check_sampling(a)
     if not a.prompt.strip():
@@ -253,12 +252,21 @@ def cmd_generate(a: argparse.Namespace) -> int:
                           "method": a.method, "tree": a.tree if a.method == "eagle" else None,
                           "prompt_tokens": len(ids), **out.stats.to_dict()}))
         return 0
+    _print_stream(eng, tok, ids, a, sp, eos)
+    return 0
+
+
+def _print_stream(eng, tok, ids: list[int], a: argparse.Namespace, sp, eos: list[int], stats=None) -> str:
+    """Decode `ids` and print the text to stdout as it becomes final (then a newline); returns the text."""
+    from .text import TextStream
+
     text = TextStream(tok)
-    for new, _ in eng.stream(ids, a.max_new_tokens, sp, a.method, a.seed, eos):
+    for new, _ in eng.stream(ids, a.max_new_tokens, sp, a.method, a.seed, eos, stats):
         sys.stdout.write(text.push(new))
         sys.stdout.flush()
     sys.stdout.write(text.finish() + "\n")
-    return 0
+    sys.stdout.flush()
+    return text.text
 
 
 def _check_sampling(a: argparse.Namespace):
@@ -274,7 +282,6 @@ def _check_sampling(a: argparse.Namespace):
 def cmd_chat(a: argparse.Namespace) -> int:
     from .engine import GenerationStats
     from .models import eos_ids
-    from .text import TextStream
 
     sp = _check_sampling(a)
     eng, tok = _load_engine(a)
@@ -304,13 +311,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
         except EaglespecError as e:  # a conversation grown past the context: say so, keep chatting
             print(f"eaglespec: {e}; /reset to start over", file=sys.stderr)
             continue
-        text, stats = TextStream(tok), GenerationStats()
-        for new, _ in eng.stream(ids, a.max_new_tokens, sp, a.method, a.seed, eos, stats):
-            sys.stdout.write(text.push(new))
-            sys.stdout.flush()
-        sys.stdout.write(text.finish() + "\n")
-        sys.stdout.flush()
-        history = turn + [{"role": "assistant", "content": text.text}]
+        stats = GenerationStats()
+        answer = _print_stream(eng, tok, ids, a, sp, eos, stats)
+        history = turn + [{"role": "assistant", "content": answer}]
         if a.stats:
             print(f"[{stats.new_tokens} tokens, tau {stats.tau:.2f}, {stats.tokens_per_s:.1f} tok/s]", file=sys.stderr)
 
@@ -469,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
 
         args.quantize = fastest_quantizer()
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "regenerate": cmd_regenerate, "extract": cmd_extract, "train": cmd_train,
-                "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "regenerate": cmd_regenerate,
+                "extract": cmd_extract, "train": cmd_train, "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
     except (EaglespecError, ValueError) as e:
         print(f"eaglespec: error: {e}", file=sys.stderr)
         return 2

@@ -17,14 +17,10 @@ import types
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's is the same function
 
 # Mistral's layers look alike, but pass the config's sliding window to attention: not here (untested)
 LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:  # transformers' rotate_half
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def lean_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -43,7 +39,7 @@ def lean_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: t
     cos, sin = position_embeddings
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     qk = heads[:, :, :nq + nkv]
-    qk = (qk * cos) + (_rotate_half(qk) * sin)  # the rotary embedding of q and k at once, elementwise as theirs
+    qk = (qk * cos) + (rotate_half(qk) * sin)  # the rotary embedding of q and k at once, elementwise as theirs
     q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), heads[:, :, nq + nkv:].transpose(1, 2)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})

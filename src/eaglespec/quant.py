@@ -280,6 +280,15 @@ def fast_norms(decoder: nn.Module) -> None:
                 setattr(parent, name, FastRMSNorm(child))
 
 
+def eager_fast_paths(decoder: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Fewer, bigger calls per decoder layer for eager decoding, in place: q/k/v and gate/up fused
+    (`make` builds the fused linear), `FastRMSNorm`s and lean layers (`lean.lean_layers`). Not for
+    `torch.compile`: the fused parts share a cache by tensor identity that the compiler need not see."""
+    fuse_projections(decoder, make)
+    fast_norms(decoder)
+    lean_layers(decoder)
+
+
 def fuse_projections(decoder: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
     """Fuse q/k/v and gate/up of every decoder layer that has them (Llama, Qwen2, Mistral, ...)."""
     groups = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
@@ -317,17 +326,14 @@ def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True,
     `Bf16DotLinear` or `Int4DotLinear` (`kind` = one of QUANTIZERS), in place.
 
     The input embedding stays as it is (a lookup reads one row, not the whole matrix), so a tied
-    LM head gets its own quantized copy. ``fuse``: q/k/v and gate/up as one int4 matmul each,
-    `FastRMSNorm`s and `lean.lean_layers` (eager decoding; a model for `torch.compile` keeps them apart, since the fused
-    parts share a cache by tensor identity that the compiler need not see).
+    LM head gets its own quantized copy. ``fuse``: `eager_fast_paths` (q/k/v and gate/up as one
+    matmul each, fast norms, lean layers; a model for `torch.compile` keeps them apart).
     """
     make = dict(zip(QUANTIZERS, (Int8Linear, Int4Linear, Bf16Linear, Bf16DotLinear, Int4DotLinear)))[kind]
     inner = partial(make, keep_weight=False) if kind in ("int4", "int4-dot") else make  # nothing reads decoder weights
     decoder = model.get_decoder()
     if kind != "int8" and fuse:
-        fuse_projections(decoder, inner)
-        fast_norms(decoder)
-        lean_layers(decoder)
+        eager_fast_paths(decoder, inner)
     replace_linears(decoder, inner, lambda lin: isinstance(lin, nn.Linear))
     if lm_head and isinstance(model.get_output_embeddings(), nn.Linear):
         model.set_output_embeddings(make(model.get_output_embeddings()))
@@ -406,13 +412,10 @@ def pack_linears(module: nn.Module) -> nn.Module:
 
 def pack_target(model: nn.Module, fuse: bool = True) -> nn.Module:
     """Pack the decoder's linear layers and the LM head of a causal LM (outputs equal up to float
-    rounding). ``fuse``: q/k/v and gate/up as one call each on eaglespec's kernel, as for the
-    quantized targets (same bits), `FastRMSNorm`s and lean layers (`lean.lean_layers`, same bits); not
-    for `torch.compile` (see `quantize_weights`)."""
+    rounding). ``fuse``: `eager_fast_paths` on eaglespec's kernel, as for the quantized targets (the
+    same bits as unfused); not for `torch.compile` (see `quantize_weights`)."""
     if fuse and kernels.available():
-        fuse_projections(model.get_decoder(), PackedLinear)
-        fast_norms(model.get_decoder())
-        lean_layers(model.get_decoder())
+        eager_fast_paths(model.get_decoder(), PackedLinear)
     pack_linears(model.get_decoder())
     head = model.get_output_embeddings()
     if type(head) is nn.Linear and packed_linear_available():

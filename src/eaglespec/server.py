@@ -168,7 +168,7 @@ class Completion:
                 if piece:
                     yield piece
             yield text.finish()
-        except EaglespecError as e:  # e.g. a prompt longer than the context: the engine checks first
+        except EaglespecError as e:  # do_POST checked the request; anything the engine still refuses
             raise RequestError(str(e), "messages" if self.chat else "prompt") from None
 
     def _base(self, obj: str) -> dict:
