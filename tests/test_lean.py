@@ -1,9 +1,10 @@
-"""The lean decoder-layer forward (`eaglespec.lean`): transformers' numbers bit for bit, in fewer calls."""
+"""The lean decoder-layer forward (`eaglespec.lean`): transformers' numbers bit for bit, in fewer calls;
+and the whole layer as one C call: close to them, and a tree row equal to a decode step bit for bit."""
 
 import pytest
 import torch
 
-from eaglespec import kernels
+from eaglespec import kernels, lean
 from eaglespec.cache import KVCache
 from eaglespec.engine import Engine
 from eaglespec.lean import lean_layers
@@ -12,6 +13,26 @@ from eaglespec.quant import pack_target, quantize_weights
 from conftest import good_head, tiny_target
 
 needs_skinny = pytest.mark.skipif(not kernels.available(), reason="eaglespec's AVX-512 / AVX2 kernels are not built here")
+needs_layer = pytest.mark.skipif(not kernels.layer_available(), reason="eaglespec's AVX-512 kernels are not built here")
+TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
+IDS = [3, 17, 40, 5, 99, 23, 8, 61, 2, 30]
+
+
+@pytest.fixture
+def per_module(monkeypatch):
+    monkeypatch.setattr(lean, "ONE_CALL", False)
+
+
+def make(family: str, kind: str):
+    model = tiny_target(family, device="cpu")
+    head = good_head(model)  # from the layers as transformers made them
+    if kind == "packed":
+        pack_target(model)
+    else:
+        if kind.endswith("-dot") and not kernels.bf16dot_available():
+            pytest.skip("no AVX512-BF16 here")
+        quantize_weights(model, kind)
+    return model, head
 
 
 def lean_off(model) -> callable:
@@ -37,14 +58,11 @@ def run(model, ids: list[int], tree: torch.Tensor) -> list[torch.Tensor]:
 @needs_skinny
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", ["packed", "int4"])
-def test_lean_layers_give_transformers_numbers_bit_for_bit(family, kind):
-    model = tiny_target(family, device="cpu")
-    head = good_head(model)  # from the layers as transformers made them
-    pack_target(model) if kind == "packed" else quantize_weights(model, kind)
+def test_lean_layers_give_transformers_numbers_bit_for_bit(family, kind, per_module):
+    model, head = make(family, kind)
     assert all("forward" in layer.__dict__ for layer in model.model.layers)  # pack_target / quantize_weights did it
     assert lean_layers(model.model) == 2  # and again is harmless
-    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
-    ids = [3, 17, 40, 5, 99, 23, 8, 61, 2, 30]
+    tree, ids = TREE, IDS
     with torch.inference_mode():
         lean = run(model, ids, tree)
         on = lean_off(model)
@@ -73,3 +91,47 @@ def test_only_layers_it_reproduces_and_not_when_training():
     y = layer(x, position_embeddings=pe)  # falls back to transformers' forward, which autograd can follow
     y.sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def path_logits(model, ids: list[int], tokens: list[int], node: int) -> torch.Tensor:
+    """Logits of tree node `node` computed as vanilla decoding would: prefill, then its path one token per step."""
+    path = [j for j in range(TREE.shape[0]) if TREE[node, j]]
+    cache = KVCache(64)
+    model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    model(torch.tensor([[7]]), past_key_values=cache, use_cache=True, position_ids=torch.tensor([[len(ids)]]))
+    for depth, j in enumerate(path):
+        out = model(torch.tensor([[tokens[j]]]), past_key_values=cache, use_cache=True,
+                    position_ids=torch.tensor([[len(ids) + 1 + depth]])).logits
+    return out[0, -1]
+
+
+@needs_layer
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["packed", "int4", "bf16", "bf16-dot", "int4-dot"])
+def test_one_call_layers_close_to_transformers_and_tree_rows_exact(family, kind):
+    model, head = make(family, kind)
+    assert all(layer._one_call is not None for layer in model.model.layers)
+    tokens = [9, 11, 12, 13, 14]
+    with torch.inference_mode():
+        calls = []
+        real = kernels.decoder_layer
+        try:  # count the one-call layers that ran
+            kernels.decoder_layer = lambda *a: calls.append(1) or real(*a)
+            one = run(model, IDS, TREE)
+        finally:
+            kernels.decoder_layer = real
+        assert len(calls) == 4  # two layers, on the decode step and the tree block (the prefill allocates)
+        lean.ONE_CALL = False
+        try:
+            per_module_out = run(model, IDS, TREE)
+        finally:
+            lean.ONE_CALL = True
+        for a, b in zip(one[1:], per_module_out[1:]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(one[0], per_module_out[0])  # a prefill takes the per-module path
+        for node in range(TREE.shape[0]):  # every tree row is what decoding its path one by one gives
+            assert torch.equal(one[2][0, node], path_logits(model, IDS, tokens, node))
+    eng = Engine(model, head, tree="paper")
+    out = eng.generate(IDS, 40, method="eagle")
+    assert out.stats.tau > 1
+    assert out.token_ids == eng.generate(IDS, 40, method="vanilla").token_ids

@@ -467,6 +467,32 @@ def test_exact_attention_rows_equal_single_row_calls_where_sdpa_does_not(path, m
                                                                buf_v[:, :, :p + 4], mask2)[0][1])
 
 
+def test_packed_plan_is_the_row_plan():
+    """pack_plan (whole-tensor ops) lists, for every query row, the keys _plan's loop finds: the prefix
+    run, then the rest in order; causal (no mask), trees over a prefix, bool and float masks, batch 2."""
+    from eaglespec.attention import _plan, pack_plan
+    from eaglespec.tree import float_mask, prefix_tree_mask
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        m, p = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(0, 12, (1,), generator=g))
+        trees = []
+        for _ in range(2):  # random trees: each node sees itself and a random earlier node's ancestors
+            allowed = torch.eye(m, dtype=torch.bool)
+            for i in range(1, m):
+                allowed[i] |= allowed[int(torch.randint(0, i, (1,), generator=g))]
+            trees.append(prefix_tree_mask(allowed, p))
+        mask = torch.stack(trees)[:, None]  # (2, 1, m, p + m)
+        if trial % 2:
+            mask = float_mask(torch.stack(trees), torch.float32)
+        for msk in (mask, None):
+            rows = _plan(msk, 2, m, p + m)
+            pb, pi, pn, po, pt = pack_plan(msk, 2, m, p + m)
+            for r, (b, i, n, tail) in enumerate(rows):
+                assert (int(pb[r]), int(pi[r]), int(pn[r])) == (b, i, n)
+                assert pt[po[r]:po[r + 1]].tolist() == ([] if tail is None else tail.tolist())
+
+
 @pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).attention_available(), reason="needs AVX-512")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_engine_plans_exact_attention_once_per_forward_with_the_layers_own_bits(family, monkeypatch):

@@ -36,13 +36,18 @@ MAX_EXACT_ROWS = 64  # query blocks up to this size take the row-by-row path
 _plan_memo: tuple | None = None  # (mask, key shape, plan): one plan per forward where no eaglespec_plan comes
 
 
+def _allowed(mask: torch.Tensor, b: int, m: int, length: int) -> torch.Tensor:
+    """(B, M, length) bool: which keys each query row may see under a 4D bool or additive float mask."""
+    allowed = mask[:, 0, :, :length] if mask.dtype == torch.bool else mask[:, 0, :, :length] > torch.finfo(mask.dtype).min / 2
+    return allowed.expand(b, m, length)
+
+
 def _plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> list[tuple[int, int, int, torch.Tensor | None]]:
     """Per (batch row, query row): (b, i, n, tail). tail None: attend to keys[:n]. Otherwise the row
     sees keys[:n] followed by keys[tail] (a tree node: its prefix, then its ancestors' slots)."""
     if mask is None:  # causal over the cache: row i sees everything up to its own position
         return [(r, i, length - m + i + 1, None) for r in range(b) for i in range(m)]
-    allowed = mask[:, 0, :, :length] if mask.dtype == torch.bool else mask[:, 0, :, :length] > torch.finfo(mask.dtype).min / 2
-    allowed = allowed.expand(b, m, length)
+    allowed = _allowed(mask, b, m, length)
     counts = allowed.sum(-1)
     prefix_like = (allowed == (torch.arange(length, device=mask.device) < counts[..., None])).all(-1)
     counts, prefix_like = counts.tolist(), prefix_like.tolist()
@@ -79,14 +84,31 @@ def pack_plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> tuple[t
     """attend_rows' int64 arrays (batch, query, n, tail offsets, tails) for `m` new rows of a
     `length`-key cache under `mask`. `Engine` computes it once per forward, outside any compiled
     graph, and hands it to every layer as the ``eaglespec_plan`` keyword."""
-    plan = _plan(mask, b, m, length)
-    tails = [t.tolist() if t is not None else [] for *_, t in plan]
-    offsets = [0]
-    for t in tails:
-        offsets.append(offsets[-1] + len(t))
-    cols = [torch.tensor([p[j] for p in plan], dtype=torch.long) for j in range(3)]
-    flat = torch.tensor([x for t in tails for x in t] or [0], dtype=torch.long)
-    return (*cols, torch.tensor(offsets, dtype=torch.long), flat)
+    rows = torch.arange(b * m)
+    if mask is None:  # causal: row i sees the first length - m + i + 1 keys
+        return (rows // m, rows % m, length - m + 1 + rows % m, torch.zeros(b * m + 1, dtype=torch.long),
+                torch.zeros(1, dtype=torch.long))
+    # _plan's rows, in a few whole-tensor ops (its loop cost ~30 us per tree row on every forward)
+    allowed = _allowed(mask, b, m, length).reshape(b * m, length).cpu()
+    n = allowed.long().cumprod(-1).sum(-1)  # the leading run of visible keys: the prefix
+    tail = allowed & (torch.arange(length) >= n[:, None])  # what a row sees after it: its ancestors
+    offsets = torch.zeros(b * m + 1, dtype=torch.long)
+    offsets[1:] = tail.sum(-1).cumsum(0)
+    flat = tail.nonzero()[:, 1]  # row-major: each row's positions in order
+    return rows // m, rows % m, n, offsets, flat if flat.numel() else torch.zeros(1, dtype=torch.long)
+
+
+def plan_for(mask: torch.Tensor | None, b: int, m: int, length: int, packed: bool = True) -> tuple | list:
+    """`pack_plan` (or with packed=False `_plan`'s rows) of this forward's mask, made by the first
+    layer that asks and reused by the others (same mask object, same shape)."""
+    global _plan_memo
+    shape = (b, m, length)
+    if _plan_memo is not None and _plan_memo[0] is mask and _plan_memo[1] == shape \
+            and isinstance(_plan_memo[2], tuple) == packed:
+        return _plan_memo[2]
+    plan = pack_plan(mask, b, m, length) if packed else _plan(mask, b, m, length)
+    _plan_memo = (mask, shape, plan)  # holding the mask keeps its id unique
+    return plan
 
 
 def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -100,15 +122,7 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     packed = kwargs.get("eaglespec_plan")
     if packed is not None and _layout_fits(query, key, value):  # the engine checked the rest; compiles too
         return kernels.attend_rows(query, key, value, packed, scale), None
-    global _plan_memo
-    length = key.shape[2]
-    shape = (b, m, length)
-    if _plan_memo is not None and _plan_memo[0] is attention_mask and _plan_memo[1] == shape:
-        packed = _plan_memo[2]
-    else:
-        fits = _kernel_fits(query, key, value)
-        packed = pack_plan(attention_mask, b, m, length) if fits else _plan(attention_mask, b, m, length)
-        _plan_memo = (attention_mask, shape, packed)  # holding the mask keeps its id unique
+    packed = plan_for(attention_mask, b, m, key.shape[2], _kernel_fits(query, key, value))
     if isinstance(packed, tuple):  # pack_plan's arrays; a list is _plan's rows, for one SDPA call each
         return kernels.attend_rows(query, key, value, packed, scale), None
     plan = packed

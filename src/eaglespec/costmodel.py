@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import lean
 from .io import atomic_write_json
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ def machine_info(engine: "Engine") -> dict:
         info["packed_kernel"] = cfg.eaglespec_packed_kernel
     if getattr(cfg, "eaglespec_compiled", False):  # only when set, so eager profiles keep their cache key
         info["compiled"] = True
+    if lean.one_call_layers(engine.decoder):  # decoder layers as one C call each: cheaper forwards
+        info["one_call"] = True
     if engine.head is not None and engine.head.kernels is not None:  # a quantized head drafts faster
         info["head_kernels"] = engine.head.kernels
     if engine.head is not None and engine.head.num_layers > 1:  # a deeper head drafts slower (same rule)

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 from transformers import PreTrainedModel
 
-from . import attention
+from . import attention, lean
 from .cache import KVCache
 from .errors import EaglespecError
 from .head import EagleDraftHead
@@ -163,7 +163,8 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # row-exact attention on skinny.c's kernel: its plan is made here once per forward, outside
         # any compiled graph (see attention.pack_plan), instead of by the first layer
-        self._plan_rows = (getattr(cfg, "_attn_implementation", None) == attention.NAME
+        self._plan_rows = ((getattr(cfg, "_attn_implementation", None) == attention.NAME
+                            or lean.one_call_layers(self.decoder))
                            and attention.kernel_fits(self.dtype, self.device, head_dim))
 
     # -- helpers ----------------------------------------------------------------------------------

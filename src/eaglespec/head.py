@@ -23,7 +23,7 @@ import json
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -283,29 +283,31 @@ class EagleDraftHead(nn.Module):
         `quant.Bf16Linear`, "bf16-dot" = `quant.Bf16DotLinear`, "int4-dot" = `quant.Int4DotLinear`. A draft
         is any distribution we can sample from, so a quantized head stays lossless."""
         from .kernels import BLOCK, available as kernels_available, bf16dot_available, fits_q4
-        from .quant import (Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, PackedLinear, int4_available,
-                            pack_linears, packed_linear_available, replace_linears)
+        from .quant import (Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, PackedLinear, eager_fast_paths,
+                            int4_available, packed_linear_available, replace_linears)
 
         if next(self.parameters()).device.type != "cpu" or self.kernels is not None:
             return self  # packed once: the first choice stays
         self.kernels = kind
+        fits: Callable[[nn.Linear], bool] = lambda m: True
         if kind == "int4" and int4_available():
             make = partial(Int4Linear, keep_weight=False)
-            replace_linears(self, make)
         elif kind in ("bf16", "bf16-dot", "int4-dot") and kernels_available():
             # int4-dot: the head's own layers in bf16-dot (trained in fp32, not made for 4 bits); its
             # draft LM head, rows of the target's, in int4-dot below
             make = Bf16DotLinear if kind != "bf16" and bf16dot_available() else Bf16Linear
             if make is Bf16Linear:
                 self.kernels = "bf16"
-            replace_linears(self, make, lambda m: type(m) is nn.Linear and m.weight.shape[0] % BLOCK == 0
-                            and (make is Bf16Linear or m.weight.shape[1] % 2 == 0))  # bf16-dot: pairs of inputs
+            fits = lambda m: m.weight.shape[0] % BLOCK == 0 and (make is Bf16Linear or m.weight.shape[1] % 2 == 0)
         elif packed_linear_available():
             make, self.kernels = PackedLinear, "packed"
-            pack_linears(self)
+            fits = lambda m: m.weight.dtype == torch.float32
         else:
             self.kernels = None
             return self
+        if kernels_available():  # fused q/k/v and gate/up, fast norms, lean (one-call) layers, as the target's
+            eager_fast_paths(self, lambda m: make(m) if fits(m) else m)
+        replace_linears(self, make, lambda m: type(m) is nn.Linear and fits(m))
         if self.d2t is not None:
             if self._w_draft is None:
                 self.refresh_draft_weight()

@@ -25,13 +25,14 @@ import subprocess
 import tempfile
 import warnings
 from functools import lru_cache
-from typing import Callable, Optional
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 SOURCE = Path(__file__).with_name("skinny.c")
-FLAGS = ["-O3", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mfma", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]  # no fused a * b + c where torch rounds twice
 ISA_FLAGS = {"avx512": "-mavx512f", "avx2": "-mavx2"}  # skinny.c picks its vector width from these
 BLOCK = 32  # output columns per weight block (NR in skinny.c)
 
@@ -104,6 +105,10 @@ def _lib() -> ctypes.CDLL | None:
         if hasattr(lib, extra):
             getattr(lib, extra).argtypes = fn.argtypes
             getattr(lib, extra).restype = None
+    if hasattr(lib, "decoder_layer"):
+        P, L = ctypes.c_void_p, ctypes.c_long
+        lib.decoder_layer.argtypes = [P, P, L, L, L, P, P, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_int]
+        lib.decoder_layer.restype = None
     lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
                              ctypes.c_void_p]
     lib.rms_norm.restype = None
@@ -272,6 +277,80 @@ def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pla
     _lib().attend_rows(q.data_ptr(), m, h, d, key.data_ptr(), value.data_ptr(), key.shape[1], key.stride(0),
                        key.stride(1), value.stride(0), value.stride(1), pb.numel(), pb.data_ptr(), pi.data_ptr(),
                        pn.data_ptr(), po.data_ptr(), pt.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+class LinearSpec(NamedTuple):
+    """A linear layer as `decoder_layer` calls it: the kernel ("f32", "bf16", "q4", "bf16dot", "q4dot"),
+    K as that kernel counts inputs (pairs for the -dot kinds), N outputs, its packed operands, a bias."""
+    kind: str
+    k: int
+    n: int
+    operands: tuple[torch.Tensor, ...]
+    bias: torch.Tensor | None
+
+
+_LIN_KINDS = {"f32": 0, "bf16": 1, "q4": 2, "bf16dot": 3, "q4dot": 4}  # skinny.c's LIN_* values
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long), ("w0", ctypes.c_void_p),
+                ("w1", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin), ("norm1", ctypes.c_void_p),
+                ("norm2", ctypes.c_void_p), ("nq", ctypes.c_long), ("nkv", ctypes.c_long), ("D", ctypes.c_long),
+                ("inter", ctypes.c_long), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def layer_available() -> bool:
+    """Whether `decoder_layer` runs here (the AVX-512 kernels)."""
+    return _lib() is not None and hasattr(_lib(), "decoder_layer")
+
+
+@dataclass
+class LayerSpec:
+    """A decoder layer's weights, laid out for skinny.c's `decoder_layer` (built once per layer; it
+    holds the tensors whose addresses the C struct records)."""
+    qkv: LinearSpec
+    o: LinearSpec
+    gate_up: LinearSpec
+    down: LinearSpec
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+    def __post_init__(self) -> None:
+        def lin(spec: LinearSpec) -> _Lin:
+            ptrs = [t.data_ptr() for t in spec.operands] + [None] * (3 - len(spec.operands))
+            bias = None if spec.bias is None else spec.bias.data_ptr()
+            return _Lin(_LIN_KINDS[spec.kind], spec.k, spec.n, *ptrs, bias)
+
+        self.inter = self.gate_up.n // 2
+        self._struct = _Layer(lin(self.qkv), lin(self.o), lin(self.gate_up), lin(self.down), self.norm1.data_ptr(),
+                              self.norm2.data_ptr(), self.heads, self.kv_heads, self.head_dim, self.inter,
+                              self.eps, self.scale)
+        self.address = ctypes.addressof(self._struct)
+
+
+def decoder_layer(spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
+                  v_buf: torch.Tensor, slot: int, plan: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """One Llama / Qwen2 decoder layer on x (B, M, H) fp32 (skinny.c's `decoder_layer`): returns the
+    layer's output, having written the rows' keys and values into k_buf / v_buf (B, Hkv, max_len, D)
+    at positions slot.. slot + M - 1. cos, sin: (B, M, D); plan: `attention.pack_plan` over the cache
+    after the write."""
+    b, m, h = x.shape
+    out = x.clone(memory_format=torch.contiguous_format)  # in place on a copy: hooks may hold the input
+    pb, pi, pn, po, pt = plan
+    _lib().decoder_layer(spec.address, out.data_ptr(), b, m, h, cos.data_ptr(), sin.data_ptr(), k_buf.data_ptr(),
+                         v_buf.data_ptr(), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), slot,
+                         pb.numel(), pb.data_ptr(), pi.data_ptr(), pn.data_ptr(), po.data_ptr(), pt.data_ptr(),
+                         torch.get_num_threads())
     return out
 
 

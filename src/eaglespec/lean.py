@@ -8,10 +8,19 @@ elementwise operations in the same order (q and k are rotated together, one op f
 gives transformers' numbers bit for bit (tested) in fewer calls. It is bound to each layer
 instance: the layers stay transformers' own modules (hooks, state dict, attention type), and a
 layer this does not recognise keeps its forward.
+
+Where eaglespec's AVX-512 kernels run and every linear layer of a layer is one of them, a decode
+step or a draft tree (up to `attention.MAX_EXACT_ROWS` rows) goes further: the whole layer is one C
+call (`kernels.decoder_layer`), norms, RoPE, cache write, row-exact attention, SiLU and residuals
+included. Those numbers are no longer transformers' bit for bit (its SiLU's exp differs in the last
+bits; RoPE and the residual adds are rounded as torch rounds them), but every row is still computed
+alone, so a tree row equals a decode step and EAGLE equals vanilla decoding exactly (tested). Set
+``lean.ONE_CALL = False`` (or ``EAGLESPEC_ONE_CALL=0``) for the per-module path.
 """
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -19,8 +28,12 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's is the same function
 
+from . import attention, kernels
+from .cache import KVCache
+
 # Mistral's layers look alike, but pass the config's sliding window to attention: not here (untested)
 LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+ONE_CALL = os.environ.get("EAGLESPEC_ONE_CALL", "1") != "0"  # the whole layer in one C call where it can
 
 
 def lean_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -33,6 +46,10 @@ def lean_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: t
     if attend is None or self.training:  # "eager", or training: transformers' own forward
         return type(self).forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                                   cache_position, position_embeddings, **kwargs)
+    if self._one_call is not None and ONE_CALL and not torch.is_grad_enabled():
+        out = _one_call(self, hidden_states, attention_mask, past_key_values, position_embeddings, kwargs)
+        if out is not None:
+            return out
     b, m, _ = hidden_states.shape
     nq, nkv = self._lean_heads
     heads = attn.fused_q_k_v.fused.forward(self.input_layernorm.forward(hidden_states)).view(b, m, -1, attn.head_dim)
@@ -46,6 +63,55 @@ def lean_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: t
     out, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
     hidden_states = hidden_states + attn.o_proj.forward(out.reshape(b, m, -1).contiguous())
     return hidden_states + self.mlp.forward(self.post_attention_layernorm.forward(hidden_states))
+
+
+def _one_call(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache,
+              position_embeddings: tuple[torch.Tensor, torch.Tensor], kwargs: dict) -> torch.Tensor | None:
+    """The layer as one `kernels.decoder_layer` call, or None where it does not apply (a long block,
+    another cache, a cache layer not yet allocated: the first forward allocates it)."""
+    b, m, _ = hidden_states.shape
+    if b * m > attention.MAX_EXACT_ROWS or not isinstance(cache, KVCache) or hidden_states.dtype != torch.float32:
+        return None
+    idx = self.self_attn.layer_idx
+    if len(cache.layers) <= idx or not cache.layers[idx].is_initialized:
+        return None
+    layer = cache.layers[idx]
+    if layer.k_buf.shape[0] != b or layer.k_buf.dtype != torch.float32:
+        return None
+    slot = layer.length
+    if slot + m > layer.max_len:
+        raise RuntimeError(f"KV cache full: {slot + m} > max_len {layer.max_len}")
+    plan = kwargs.get("eaglespec_plan") or attention.plan_for(attention_mask, b, m, slot + m)
+    cos, sin = (t.float().contiguous() for t in position_embeddings)
+    out = kernels.decoder_layer(self._one_call, hidden_states, cos, sin, layer.k_buf, layer.v_buf, slot, plan)
+    layer._set_length(slot + m)
+    return out
+
+
+def one_call_spec(layer: nn.Module) -> kernels.LayerSpec | None:
+    """The layer's weights for `kernels.decoder_layer`, if it can run as one call: eaglespec's kernels
+    for all four linear layers (fused q/k/v, o, fused gate/up, down), fp32 norms, SiLU, head size a
+    multiple of 16 up to 256 (the attention kernel's)."""
+    if not kernels.layer_available():
+        return None
+    attn, mlp, cfg = layer.self_attn, layer.mlp, layer.self_attn.config
+    linears = (attn.fused_q_k_v.fused, attn.o_proj, mlp.gate_up, mlp.down_proj)
+    specs = [lin.kernel_spec() if hasattr(lin, "kernel_spec") else None for lin in linears]
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    eps = [float(getattr(n, "eps", getattr(n, "variance_epsilon", -1.0))) for n in norms]
+    d = attn.head_dim
+    if (None in specs or getattr(cfg, "hidden_act", None) != "silu" or eps[0] != eps[1] or eps[0] < 0
+            or any(n.weight.dtype != torch.float32 for n in norms) or d % 16 or d > 256
+            or getattr(attn, "attention_dropout", 0.0) and attn.training):
+        return None
+    nq, nkv = layer._lean_heads
+    return kernels.LayerSpec(*specs, norms[0].weight.detach(), norms[1].weight.detach(), nq, nkv, d, eps[0],
+                             float(attn.scaling))
+
+
+def one_call_layers(module: nn.Module) -> bool:
+    """Whether some layer inside `module` runs as one C call (the switch `ONE_CALL` on)."""
+    return ONE_CALL and any(getattr(m, "_one_call", None) is not None for m in module.modules())
 
 
 def fits(layer: nn.Module) -> bool:
@@ -65,6 +131,7 @@ def lean_layers(decoder: nn.Module) -> int:
         if fits(layer):
             cfg = layer.self_attn.config
             layer._lean_heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
+            layer._one_call = one_call_spec(layer)
             layer.forward = types.MethodType(lean_forward, layer)
             n += 1
     return n

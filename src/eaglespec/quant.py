@@ -121,6 +121,13 @@ class Int4Linear(nn.Module):
             w = (q - 8) * sz[..., :1] + sz[..., 1:]
         return w.view(ids.numel(), self.in_features)
 
+    def kernel_spec(self) -> kernels.LinearSpec | None:
+        """This layer as `kernels.decoder_layer` calls it (eaglespec's kernel only)."""
+        if not self.skinny:
+            return None
+        codes, sp, mp, bias = self._operands
+        return kernels.LinearSpec("q4dot" if self.dot else "q4", codes.shape[1], self.out_features, (codes, sp, mp), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.skinny:
@@ -155,6 +162,7 @@ class Bf16Linear(nn.Module):
     """
 
     pack, kernel, pairs = staticmethod(kernels.pack_bf16), staticmethod(kernels.linear_bf16), False
+    spec_kind = "bf16"
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -175,6 +183,10 @@ class Bf16Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features))
 
+    def kernel_spec(self) -> kernels.LinearSpec:
+        """This layer as `kernels.decoder_layer` calls it."""
+        return kernels.LinearSpec(self.spec_kind, self.packed.shape[1], self.out_features, (self.packed,), self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -189,6 +201,7 @@ class Bf16DotLinear(Bf16Linear):
     the arithmetic limits, gets cheaper. Rows are still summed alike whatever their number."""
 
     pack, kernel, pairs = staticmethod(kernels.pack_bf16dot), staticmethod(kernels.linear_bf16dot), True
+    spec_kind = "bf16dot"
 
 
 class FusedLinear(nn.Module):
@@ -283,8 +296,10 @@ def fast_norms(decoder: nn.Module) -> None:
 def eager_fast_paths(decoder: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
     """Fewer, bigger calls per decoder layer for eager decoding, in place: q/k/v and gate/up fused
     (`make` builds the fused linear), `FastRMSNorm`s and lean layers (`lean.lean_layers`). Not for
-    `torch.compile`: the fused parts share a cache by tensor identity that the compiler need not see."""
+    `torch.compile`: the fused parts share a cache by tensor identity that the compiler need not see.
+    The decoder's other linear layers become `make`'s too, so that a lean layer can see all of its kernels."""
     fuse_projections(decoder, make)
+    replace_linears(decoder, make)
     fast_norms(decoder)
     lean_layers(decoder)
 
@@ -378,6 +393,12 @@ class PackedLinear(nn.Module):
             self.packed = kernels.pack_weight(linear.weight)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def kernel_spec(self) -> kernels.LinearSpec | None:
+        """This layer as `kernels.decoder_layer` calls it (eaglespec's kernel only, not oneDNN's)."""
+        if not self.skinny:
+            return None
+        return kernels.LinearSpec("f32", self.in_features, self.out_features, (self.packed,), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
