@@ -114,13 +114,13 @@ def test_one_call_layers_close_to_transformers_and_tree_rows_exact(family, kind)
     tokens = [9, 11, 12, 13, 14]
     with torch.inference_mode():
         calls = []
-        real = kernels.decoder_layer
+        real = kernels.decoder_stack
         try:  # count the one-call layers that ran
-            kernels.decoder_layer = lambda *a: calls.append(1) or real(*a)
+            kernels.decoder_stack = lambda layers, *a: calls.append(layers.numel()) or real(layers, *a)
             one = run(model, IDS, TREE)
         finally:
-            kernels.decoder_layer = real
-        assert len(calls) == 4  # two layers, on the decode step and the tree block (the prefill allocates)
+            kernels.decoder_stack = real
+        assert calls == [2, 2]  # both layers in one call, on the decode step and the tree block (the prefill allocates)
         lean.ONE_CALL = False
         try:
             per_module_out = run(model, IDS, TREE)
@@ -135,3 +135,36 @@ def test_one_call_layers_close_to_transformers_and_tree_rows_exact(family, kind)
     out = eng.generate(IDS, 40, method="eagle")
     assert out.stats.tau > 1
     assert out.token_ids == eng.generate(IDS, 40, method="vanilla").token_ids
+
+
+@needs_layer
+@pytest.mark.parametrize("kind", ["packed", "int4-dot"])
+def test_one_call_decoder_feeds_hooks_and_falls_back_where_it_must(kind):
+    """The decoder's one-call path splits its C call where a forward pre-hook (the head's aux-layer
+    tap) reads a layer's input, hands the hook a copy, and steps aside for what it does not do."""
+    from eaglespec.models import HiddenStateTap
+
+    model, head = make("llama", kind)
+    tap = HiddenStateTap.of(model.model, [1])
+    seen = {}
+    for on in (True, False):
+        lean.ONE_CALL = on
+        try:
+            with torch.inference_mode():
+                cache = KVCache(64)
+                model.model(input_ids=torch.tensor([IDS]), past_key_values=cache, use_cache=True)
+                tap._seen.clear()
+                out = model.model(input_ids=torch.tensor([[7, 8]]), position_ids=torch.tensor([[10, 11]]),
+                                  past_key_values=cache, use_cache=True)
+                seen[on] = (tap.read(out, [1])[0].clone(), out.last_hidden_state, cache.get_seq_length())
+        finally:
+            lean.ONE_CALL = True
+    torch.testing.assert_close(seen[True][0], seen[False][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(seen[True][1], seen[False][1], rtol=1e-4, atol=1e-4)
+    assert seen[True][2] == seen[False][2] == len(IDS) + 2
+    with torch.inference_mode():  # hidden states asked for: transformers' own forward answers
+        cache = KVCache(64)
+        out = model.model(input_ids=torch.tensor([IDS]), past_key_values=cache, use_cache=True)
+        out = model.model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[10]]), past_key_values=cache,
+                          use_cache=True, output_hidden_states=True)
+        assert len(out.hidden_states) == 3

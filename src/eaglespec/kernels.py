@@ -109,6 +109,8 @@ def _lib() -> ctypes.CDLL | None:
         P, L = ctypes.c_void_p, ctypes.c_long
         lib.decoder_layer.argtypes = [P, P, L, L, L, P, P, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_int]
         lib.decoder_layer.restype = None
+        lib.decoder_stack.argtypes = [P, L, P, L, L, L, P, P, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_int]
+        lib.decoder_stack.restype = None
     lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
                              ctypes.c_void_p]
     lib.rms_norm.restype = None
@@ -352,6 +354,20 @@ def decoder_layer(spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torc
                          pb.numel(), pb.data_ptr(), pi.data_ptr(), pn.data_ptr(), po.data_ptr(), pt.data_ptr(),
                          torch.get_num_threads())
     return out
+
+
+def decoder_stack(layers: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_bufs: torch.Tensor,
+                  v_bufs: torch.Tensor, like: torch.Tensor, slot: int, plan: tuple[torch.Tensor, ...]) -> None:
+    """Consecutive decoder layers on x (B, M, H) fp32 contiguous, in place (skinny.c's
+    `decoder_stack`): `layers` holds their `LayerSpec.address`es, `k_bufs` / `v_bufs` the addresses
+    of their cache buffers, int64; `like` is one of those buffers (they share shape and strides).
+    Otherwise as `decoder_layer`."""
+    b, m, h = x.shape
+    pb, pi, pn, po, pt = plan
+    _lib().decoder_stack(layers.data_ptr(), layers.numel(), x.data_ptr(), b, m, h, cos.data_ptr(), sin.data_ptr(),
+                         k_bufs.data_ptr(), v_bufs.data_ptr(), like.stride(0), like.stride(1), like.stride(0),
+                         like.stride(1), slot, pb.numel(), pb.data_ptr(), pi.data_ptr(), pn.data_ptr(), po.data_ptr(),
+                         pt.data_ptr(), torch.get_num_threads())
 
 
 # The same kernels as torch custom ops, for `torch.compile` (models.compile_decoder): eager calls

@@ -15,7 +15,9 @@ call (`kernels.decoder_layer`), norms, RoPE, cache write, row-exact attention, S
 included. Those numbers are no longer transformers' bit for bit (its SiLU's exp differs in the last
 bits; RoPE and the residual adds are rounded as torch rounds them), but every row is still computed
 alone, so a tree row equals a decode step and EAGLE equals vanilla decoding exactly (tested). Set
-``lean.ONE_CALL = False`` (or ``EAGLESPEC_ONE_CALL=0``) for the per-module path.
+``lean.ONE_CALL = False`` (or ``EAGLESPEC_ONE_CALL=0``) for the per-module path. When every layer
+of a decoder can, `lean_decoder` goes one step further: embedding, rotary, then all layers in one C
+call (`kernels.decoder_stack`, split only where a hook reads a layer's input), then the final norm.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import types
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's is the same function
 
 from . import attention, kernels
@@ -122,6 +125,72 @@ def fits(layer: nn.Module) -> bool:
     attn = getattr(layer, "self_attn", None)
     return (type(layer).__name__ in LAYERS and attn is not None and hasattr(attn, "fused_q_k_v")
             and isinstance(getattr(layer, "mlp", None), GatedMLP) and getattr(attn, "sliding_window", None) is None)
+
+
+def lean_decoder_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
+                         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                         past_key_values=None, inputs_embeds: torch.Tensor | None = None,
+                         cache_position: torch.Tensor | None = None, use_cache: bool | None = None, **kwargs):
+    """transformers' decoder forward, or where it applies (`_stack_call`) the layers as one C call."""
+    out = _stack_call(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, kwargs)
+    if out is not None:
+        return out
+    return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                              cache_position=cache_position, use_cache=use_cache, **kwargs)
+
+
+def _stack_call(self: nn.Module, input_ids, attention_mask, position_ids, cache, inputs_embeds,
+                kwargs: dict) -> BaseModelOutputWithPast | None:
+    """A decode step or a tree (up to MAX_EXACT_ROWS rows) with explicit positions, on a KVCache
+    every layer of which is allocated alike, no outputs asked beyond the last hidden state; else None."""
+    if (not ONE_CALL or torch.is_grad_enabled() or input_ids is None or inputs_embeds is not None
+            or position_ids is None or not isinstance(cache, KVCache) or set(kwargs) - {"eaglespec_plan"}):
+        return None
+    b, m = input_ids.shape
+    layers = cache.layers
+    if b * m > attention.MAX_EXACT_ROWS or len(layers) != len(self.layers):
+        return None
+    first = layers[0]
+    if not all(lay.is_initialized and lay.length == first.length for lay in layers) \
+            or first.k_buf.shape[0] != b or first.v_buf.shape != first.k_buf.shape:
+        return None
+    h = self.embed_tokens(input_ids)
+    if h.dtype != torch.float32:
+        return None
+    slot = first.length
+    if slot + m > first.max_len:
+        raise RuntimeError(f"KV cache full: {slot + m} > max_len {first.max_len}")
+    cos, sin = (t.float().contiguous() for t in self.rotary_emb(h, position_ids))
+    plan = kwargs.get("eaglespec_plan") or attention.plan_for(attention_mask, b, m, slot + m)
+    x = h.contiguous()  # a fresh tensor: the layers update it in place
+    k_bufs = torch.tensor([lay.k_buf.data_ptr() for lay in layers])
+    v_bufs = torch.tensor([lay.v_buf.data_ptr() for lay in layers])
+    start = 0
+    for i in [i for i, layer in enumerate(self.layers) if layer._forward_pre_hooks] + [len(layers)]:
+        if i > start:
+            kernels.decoder_stack(self._stack[start:i], x, cos, sin, k_bufs[start:i], v_bufs[start:i], first.k_buf,
+                                  slot, plan)
+        if i < len(layers):  # a hook (the aux layers' tap) reads this layer's input: give it a copy
+            layer = self.layers[i]
+            for key, hook in layer._forward_pre_hooks.items():
+                args = (x.clone(),)
+                hook(layer, args, {}) if key in layer._forward_pre_hooks_with_kwargs else hook(layer, args)
+        start = i
+    for lay in layers:
+        lay.length = slot + m
+    return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=cache)
+
+
+def lean_decoder(decoder: nn.Module) -> bool:
+    """Bind `lean_decoder_forward` to a Llama / Qwen2 decoder whose every layer runs as one call."""
+    layers = getattr(decoder, "layers", None)
+    if not layers or any(getattr(layer, "_one_call", None) is None for layer in layers) \
+            or not all(hasattr(decoder, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+        return False
+    decoder._stack = torch.tensor([layer._one_call.address for layer in layers])
+    decoder.forward = types.MethodType(lean_decoder_forward, decoder)
+    return True
 
 
 def lean_layers(decoder: nn.Module) -> int:

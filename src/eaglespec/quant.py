@@ -18,7 +18,7 @@ from torch import nn
 
 from . import kernels
 from .errors import EaglespecError
-from .lean import lean_layers
+from .lean import lean_decoder, lean_layers
 
 
 class Int8Linear(nn.Module):
@@ -302,6 +302,7 @@ def eager_fast_paths(decoder: nn.Module, make: Callable[[nn.Linear], nn.Module])
     replace_linears(decoder, make)
     fast_norms(decoder)
     lean_layers(decoder)
+    lean_decoder(decoder)
 
 
 def fuse_projections(decoder: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
