@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import kernels
+
 
 class PreallocLayer(CacheLayerMixin):
     is_sliding = False
@@ -126,8 +128,27 @@ class KVCache(Cache):
             layer.crop(max_length)
 
     def compact_rows(self, dst: list[int], src: int, keeps: list[torch.Tensor]) -> None:
+        lists = [k.tolist() for k in keeps]
+        if self._one_call_compaction(dst, src, lists):
+            bufs = [t for layer in self.layers for t in (layer.k_buf, layer.v_buf)]
+            kernels.kv_compact(bufs, dst, src, lists)
+            for layer in self.layers:
+                layer._set_length(max(d + len(k) for d, k in zip(dst, lists)))
+            return
         for layer in self.layers:
             layer.compact_rows(dst, src, keeps)
+
+    def _one_call_compaction(self, dst: list[int], src: int, keeps: list[list[int]]) -> bool:
+        """Whether `kernels.kv_compact` can move every layer's rows at once: its kernels here, fp32 CPU
+        buffers alike in shape, rows moving down in ascending order."""
+        if not kernels.available() or not self.layers or not all(layer.is_initialized for layer in self.layers):
+            return False
+        like = self.layers[0].k_buf
+        if like.dtype != torch.float32 or like.device.type != "cpu" or any(
+                t.shape != like.shape or not t.is_contiguous() or t.dtype != like.dtype
+                for layer in self.layers for t in (layer.k_buf, layer.v_buf)):
+            return False
+        return all(d <= src and k == sorted(k) and (not k or k[0] >= 0) for d, k in zip(dst, keeps))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished sequences leave the batch)."""

@@ -40,7 +40,14 @@ class CostProfile:
     machine: dict
 
     def verify(self, n: int) -> float:
-        """Piecewise-linear in n; extrapolated from the last two points beyond the largest size."""
+        """Piecewise-linear in n; extrapolated from the last two points beyond the largest size.
+        Memoised: `auto` asks thousands of times per generation (a profile is not changed once made)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if n not in memo:
+            memo[n] = self._interpolate(n)
+        return memo[n]
+
+    def _interpolate(self, n: int) -> float:
         xs, ys = self.sizes, self.verify_s
         if n <= xs[0]:
             return ys[0]

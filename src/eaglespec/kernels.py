@@ -111,6 +111,9 @@ def _lib() -> ctypes.CDLL | None:
         lib.decoder_layer.restype = None
         lib.decoder_stack.argtypes = [P, L, P, L, L, L, P, P, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_int]
         lib.decoder_stack.restype = None
+    P, L = ctypes.c_void_p, ctypes.c_long
+    lib.kv_compact.argtypes = [P, L, L, L, L, L, L, P, L, P, P]
+    lib.kv_compact.restype = None
     lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
                              ctypes.c_void_p]
     lib.rms_norm.restype = None
@@ -354,6 +357,21 @@ def decoder_layer(spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torc
                          pb.numel(), pb.data_ptr(), pi.data_ptr(), pn.data_ptr(), po.data_ptr(), pt.data_ptr(),
                          torch.get_num_threads())
     return out
+
+
+def kv_compact(bufs: list[torch.Tensor], dst: list[int], src: int, keeps: list[list[int]]) -> None:
+    """In every buffer (B, H, max_len, D) fp32 contiguous, alike in shape: batch row b's rows
+    src + keeps[b][j] move to dst[b] + j, in place (skinny.c's `kv_compact`). keeps ascending, dst <= src."""
+    like = bufs[0]
+    b, h, _, d = like.shape
+    ptrs = torch.tensor([t.data_ptr() for t in bufs])
+    flat = torch.tensor([x for k in keeps for x in k] or [0])
+    offsets = [0]
+    for k in keeps:
+        offsets.append(offsets[-1] + len(k))
+    dsts, offs = torch.tensor(dst), torch.tensor(offsets)
+    _lib().kv_compact(ptrs.data_ptr(), len(bufs), b, h, d, like.stride(0), like.stride(1), dsts.data_ptr(), src,
+                      flat.data_ptr(), offs.data_ptr())
 
 
 def decoder_stack(layers: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_bufs: torch.Tensor,

@@ -21,6 +21,7 @@
 #include <omp.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define NR 32   /* output columns per block */
 #define PFD 64  /* prefetch distance in k steps (64 * 128 bytes ahead) */
@@ -480,3 +481,18 @@ void decoder_stack(const long *layers, long n, float *x, long B, long M, long H,
                       vh, slot, R, pb, pi, pn, po, pt, threads);
 }
 #endif
+
+/* KV cache compaction after verification, every layer in one call: in each buffer (bufs[i], fp32,
+ * batch stride bs, head stride hs, rows of D) and batch row b, rows src + keep[j] (j in
+ * koff[b]..koff[b+1], ascending) move to dst[b] + j - koff[b]. dst[b] <= src, so copying in order never
+ * overwrites a row still to be read. The per-layer torch path made 2 index_select copies per layer. */
+void kv_compact(const long *bufs, long nbuf, long B, long H, long D, long bs, long hs, const long *dst, long src,
+                const long *keep, const long *koff) {
+    for (long i = 0; i < nbuf; i++)
+        for (long b = 0; b < B; b++)
+            for (long h = 0; h < H; h++) {
+                float *base = (float *)bufs[i] + b * bs + h * hs;
+                for (long j = koff[b]; j < koff[b + 1]; j++)
+                    memmove(base + (dst[b] + j - koff[b]) * D, base + (src + keep[j]) * D, sizeof(float) * D);
+            }
+}
