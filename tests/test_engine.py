@@ -92,6 +92,36 @@ def test_auto_tree_greedy_equals_hf(tiny_pair, per_token, level):
         assert max(eag.stats.accept_lengths) == 1  # verifying any draft costs more than it can gain
 
 
+def test_draft_gate_pauses_drafting_that_loses_and_probes_again():
+    from eaglespec.costmodel import DraftGate
+
+    prof = CostProfile([1, 2, 8], [1.0, 1.5, 4.5], 0.25, 0, {})  # plain step: 1 token per second
+    gate = DraftGate(prof, warmup=4, pause=4, max_pause=16)
+    for _ in range(4):  # 2 tokens from 2 levels and 2 nodes: 2 / (0.5 + 1.5) = 1 token/s ... and a bit less
+        assert gate.draft()
+        gate.observe(2, 3, 2)  # 2 / 2.25: loses, but judged only from the fourth on
+    assert [gate.draft() for _ in range(5)] == [False] * 4 + [True]  # four plain steps, then a probe
+    gate.observe(2, 3, 2)  # the probe loses: a longer pause
+    assert [gate.draft() for _ in range(9)] == [False] * 8 + [True]
+    for _ in range(3):
+        gate.observe(6, 2, 8)  # deep acceptance on a big tree: 6 / 5.0 per round, winning back
+    assert gate.rate() > 1.0 and gate.pause == 4 and all(gate.draft() for _ in range(5))
+    assert DraftGate(prof).rate() == float("inf")
+
+
+def test_auto_tree_goes_plain_where_drafting_loses_and_stays_lossless(tiny_pair):
+    """A cost curve whose one-token step is nearly free: no drafted round can beat it, so after the
+    gate's warm-up `auto` takes plain steps (not counted as rounds), and the output stays vanilla's."""
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="auto", costs=CostProfile([1, 2, 64], [1e-6, 1.0, 2.0], 0.1, 0, {}))
+    out = eng.generate(PROMPTS[1], 40, method="eagle")
+    assert out.stats.plain_steps > 20 and 4 <= out.stats.rounds == len(out.stats.accept_lengths)
+    assert len(out.token_ids) == 40 == 1 + sum(out.stats.accept_lengths) + out.stats.plain_steps
+    assert out.token_ids == hf_greedy(model, PROMPTS[1], 40)
+    cheap = Engine(model, head, tree="auto", costs=synthetic_costs(0.02, 0.05))  # drafting pays: never plain
+    assert cheap.generate(PROMPTS[1], 40, method="eagle").stats.plain_steps == 0
+
+
 def test_auto_tree_measures_and_caches_costs(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
     model, head = tiny_pair
@@ -134,7 +164,7 @@ def test_cost_watch_flags_a_curve_real_rounds_disagree_with():
     assert [watch.observe(3, 0.3 * prof.verify(3)) for _ in range(8)] == [False] * 7 + [True]  # window doubled
 
 
-def test_auto_tree_measures_again_when_the_cached_curve_is_wrong(tiny_pair, tmp_path, monkeypatch):
+def test_auto_tree_measures_again_when_the_cached_curve_is_wrong(tiny_pair, tmp_path, monkeypatch, always_draft):
     """A curve cached while the CPU was busy (here: 100x too slow) is measured again once real rounds
     show it is off; the output stays the target's own."""
     monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
@@ -253,8 +283,16 @@ def test_sampling_law_with_context_vocabulary():
     assert_law(lambda s: eng.generate(ids, 3, sampling=sp, seed=s).token_ids, law, V, 3000)
 
 
+@pytest.fixture
+def always_draft(monkeypatch):
+    """`auto` drafts every round (no `DraftGate` plain steps): for tests about what drafting does."""
+    from eaglespec.costmodel import DraftGate
+
+    monkeypatch.setattr(DraftGate, "draft", lambda self: True)
+
+
 @pytest.mark.parametrize("tree", ["chain:1+lookup", "paper+lookup:4", "auto+lookup"])
-def test_prompt_lookup_grafts_stay_lossless(tree):
+def test_prompt_lookup_grafts_stay_lossless(tree, always_draft):
     """Prompt-lookup guesses grafted onto a weak head's tree: greedy output is still vanilla's, and
     the guesses really get accepted on repetitive text."""
     model = tiny_target("llama", seed=3)
@@ -443,6 +481,36 @@ def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
     # dynamic:3,3,0 is auto; with free verification every frontier node draws top_k siblings
     eng = Engine(model, head, tree=tree, draft_sampling=draft_sampling, costs=synthetic_costs(0.0, 0.0))
     assert_law(lambda s: eng.generate(ids, 3, sampling=sp, seed=s).token_ids, law, V, 4000)
+
+
+def test_sampling_law_with_plain_steps_between_drafted_rounds():
+    """`DraftGate` may turn any round of an `auto` tree into a plain step (vanilla's draw) and back:
+    the law of the output stays the target's. A scripted gate: draft, plain, plain, draft, ..."""
+    from eaglespec.costmodel import DraftGate
+
+    class Scripted(DraftGate):
+        def __init__(self, profile):
+            super().__init__(profile)
+            self.turn = 0
+
+        def draft(self) -> bool:
+            self.turn += 1
+            return self.turn % 3 == 1
+
+    V, model, head, sp = law_setup()
+    ids = [2, 5, 3]
+    law = exact_three_token_law(model, ids, sp).flatten()
+    eng = Engine(model, head, tree="dynamic:3,3,0", costs=synthetic_costs(0.0, 0.0))
+    eng._gate = Scripted(eng.costs)
+    plain = []
+
+    def draw(seed: int) -> list[int]:
+        out = eng.generate(ids, 3, sampling=sp, seed=seed)
+        plain.append(out.stats.plain_steps)
+        return out.token_ids
+
+    assert_law(draw, law, V, 4000)
+    assert 0 < sum(p > 0 for p in plain) < len(plain)  # both kinds of rounds made first tokens
 
 
 def law_setup() -> tuple[int, torch.nn.Module, object, SamplingParams]:

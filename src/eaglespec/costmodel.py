@@ -207,6 +207,46 @@ class CostWatch:
         self.profile, self.window, self.ratios = profile, 2 * self.window, []
 
 
+class DraftGate:
+    """`auto`'s tree of size zero: no draft at all this round. Where a multi-token forward is
+    arithmetic-bound (int4-dot on 2 cores: 8 tokens cost 2x one), a drafted round may bring fewer
+    tokens per second than a plain step. A drafted round is worth its accepted tokens over its
+    modelled cost (draft levels x draft_level_s + verify(nodes)); a plain step 1 / verify(1). Both
+    come from the cost curve, so the choice follows what was accepted, never the clock. Decayed sums
+    over drafted rounds; once `warmup` are in and they lose, the next `pause` rounds are plain steps
+    (vanilla's: lossless as ever), then one drafted round probes again. A probe that still loses
+    doubles the pause (up to `max_pause`), one that wins resets it."""
+
+    def __init__(self, profile: CostProfile, decay: float = 0.9, warmup: int = 4, pause: int = 4,
+                 max_pause: int = 32):
+        self.profile, self.decay, self.warmup, self.base, self.max_pause = profile, decay, warmup, pause, max_pause
+        self.tokens = self.cost = 0.0  # decayed sums over drafted rounds
+        self.drafted, self.pause, self.skip = 0, pause, 0
+
+    def draft(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def rate(self) -> float:
+        """Modelled tokens per second of recent drafted rounds."""
+        return self.tokens / self.cost if self.cost > 0 else float("inf")
+
+    def observe(self, tokens: int, levels: int, nodes: int) -> None:
+        """A drafted round: tokens emitted, draft levels run, nodes verified (the root included)."""
+        d = self.decay
+        self.tokens = d * self.tokens + tokens
+        self.cost = d * self.cost + levels * self.profile.draft_level_s + self.profile.verify(nodes)
+        self.drafted += 1
+        if self.drafted < self.warmup:
+            return
+        if self.rate() < 1.0 / self.profile.verify(1):
+            self.skip, self.pause = self.pause, min(2 * self.pause, self.max_pause)
+        else:
+            self.pause = self.base
+
+
 def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = True,
                     fresh: bool = False) -> CostProfile:
     """The cached profile for this engine's (model, dtype, machine), measured and cached when absent

@@ -20,7 +20,7 @@ from .errors import EaglespecError
 from .head import EagleDraftHead
 from .kernels import bf16dot_available
 from .models import HiddenStateTap
-from .costmodel import CostProfile, CostWatch, load_or_measure
+from .costmodel import CostProfile, CostWatch, DraftGate, load_or_measure
 from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, parse_spec, paths_of,
                    plan_children, prefix_tree_mask, prompt_lookup, select_nodes, split_lookup)
 from .verify import SamplingParams, greedy_accept, renormalise, sample_accept, sample_token, target_probs
@@ -42,6 +42,7 @@ class GenerationStats:
     alpha_accepted: list[int] = field(default_factory=list)
     alpha_total: list[int] = field(default_factory=list)
     lookup_tokens: int = 0  # accepted tokens that only the prompt-lookup chain proposed
+    plain_steps: int = 0  # EAGLE's one-token steps without a draft (`DraftGate`, or the context's end): not rounds
 
     @property
     def tau(self) -> float:
@@ -62,7 +63,7 @@ class GenerationStats:
             "prefill_time_s": self.prefill_time_s, "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s, "measure_time_s": self.measure_time_s, "n_alpha": self.n_alpha,
             "alpha_accepted": self.alpha_accepted, "alpha_total": self.alpha_total,
-            "lookup_tokens": self.lookup_tokens,
+            "lookup_tokens": self.lookup_tokens, "plain_steps": self.plain_steps,
         }
 
 
@@ -149,6 +150,7 @@ class Engine:
         self._tap = HiddenStateTap.of(self.decoder, self.aux_layers)
         self.costs = costs  # the machine's cost curve, for `auto` (measured on first use if None)
         self._watch: CostWatch | None = None  # checks a cached curve against real rounds
+        self._gate: DraftGate | None = None  # `auto`: no draft while drafted rounds lose to plain steps
         self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
         self._calib_rank: list[list[float]] = []  # the same per sibling rank, for sampled trees
         self._predicted_rank: list[float] | None = None
@@ -358,6 +360,9 @@ class Engine:
                 break
             # near the context limit the deepest tree node would overflow the positions: go plain
             use_tree = eagle and all(r.n_ctx + depth < self.max_context for r in rows)
+            gate = self._gate_for(len(rows)) if use_tree else None
+            if gate is not None:
+                use_tree = gate.draft()
             ta = self._clock()
             drafted = None  # the head's own tree, when prompt lookup grafted nodes onto it
             if use_tree:
@@ -374,6 +379,8 @@ class Engine:
             if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
                 cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
             tc = self._clock()
+            if gate is not None and use_tree:
+                gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n)
             if self._watch is not None and use_tree and self._watch.observe(cur.n, tc - tb):
                 self.costs = load_or_measure(self, fresh=True)
                 self._watch.replace(self.costs)
@@ -389,8 +396,11 @@ class Engine:
                     f = feats[b, keep]
                     r.pending = (f, accepted) if use_tree else (torch.cat([r.pending[0], f]), r.pending[1] + accepted)
                 r.root = bonus
-                r.stats.rounds += 1
-                r.stats.accept_lengths.append(len(accepted))
+                if eagle and not use_tree:
+                    r.stats.plain_steps += 1
+                else:
+                    r.stats.rounds += 1
+                    r.stats.accept_lengths.append(len(accepted))
                 r.stats.draft_time_s += tb - ta
                 r.stats.verify_time_s += tc - tb
                 tree_h, path_h = cur, path
@@ -407,6 +417,14 @@ class Engine:
             yield events
 
     # -- drafting ---------------------------------------------------------------------------------
+    def _gate_for(self, batch: int) -> DraftGate | None:
+        """The `auto` tree's gate (one sequence), made anew with each cost curve."""
+        if batch != 1 or self.dynamic is None or not self.dynamic.auto or self.costs is None:
+            return None
+        if self._gate is None or self._gate.profile is not self.costs:
+            self._gate = DraftGate(self.costs)
+        return self._gate
+
     def _draft(self, rows: list["_Row"], head_cache: KVCache, sp: SamplingParams, gen: torch.Generator | None,
                t_round: float) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
         """Feed each row's newly committed (feature, next token) pairs to the head, then grow this
