@@ -148,7 +148,12 @@ def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
     head.set_draft_vocab(torch.arange(50))
     quantize_weights(model, "bf16")
     eng = Engine(model, head, tree="chain:3")
-    assert type(head._packed_draft) is PackedLinear and type(head.fc) is Bf16Linear
+    from eaglespec.kernels import bf16dot_available
+    from eaglespec.quant import Bf16DotLinear
+
+    # every head drafts with int4-dot's kernels where the CPU has them: its layers bf16-dot
+    assert type(head._packed_draft) is PackedLinear and type(head.fc) is (Bf16DotLinear if bf16dot_available()
+                                                                           else Bf16Linear)
     for ids in PROMPTS:
         assert eng.generate(ids, 30).token_ids == eng.generate(ids, 30, method="vanilla").token_ids
 
@@ -256,7 +261,10 @@ def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
     eng = Engine(model, head, tree=tree)  # packs the head the same way
     cls = {"bf16": Bf16Linear, "bf16-dot": Bf16DotLinear, "int4-dot": Int4DotLinear}[kind]
     assert type(model.lm_head) is cls
-    assert type(head.fc) is (Bf16DotLinear if kind == "int4-dot" else cls)  # the head's own layers stay bf16
+    from eaglespec.kernels import bf16dot_available
+
+    # every head drafts with int4-dot's kernels where the CPU has them: its own layers bf16-dot
+    assert type(head.fc) is (Bf16DotLinear if bf16dot_available() else cls)
     assert any(type(m).__name__ == "FusedLinear" for m in model.modules())  # q/k/v, gate/up as one call each
     eagle_equals_vanilla(eng, batch=tree == "paper")
 
@@ -610,8 +618,11 @@ def test_int4_target_eagle_equals_its_own_vanilla(tree, kernel, monkeypatch):
     model = tiny_target("llama", seed=6)
     head = good_head(model)
     quantize_weights(model, "int4")
-    eng = Engine(model, head, tree=tree)  # packs the head as int4 too
-    assert head._packed_draft is None and type(head.fc).__name__ == "Int4Linear"
+    eng = Engine(model, head, tree=tree)  # packs the head: int4-dot where the CPU has it, else int4 too
+    from eaglespec.kernels import bf16dot_available
+
+    assert head._packed_draft is None and type(head.fc).__name__ == ("Bf16DotLinear" if bf16dot_available()
+                                                                      else "Int4Linear")
     assert {m.skinny for m in model.modules() if type(m).__name__ == "Int4Linear"} == {kernel == "skinny"}
     eagle_equals_vanilla(eng, batch=tree != "dynamic:4,3,10")
 

@@ -210,9 +210,11 @@ class CostWatch:
 class DraftGate:
     """`auto`'s tree of size zero: no draft at all this round. Where a multi-token forward is
     arithmetic-bound (int4-dot on 2 cores: 8 tokens cost 2x one), a drafted round may bring fewer
-    tokens per second than a plain step. A drafted round is worth its accepted tokens over its
-    modelled cost (draft levels x draft_level_s + verify(nodes)); a plain step 1 / verify(1). Both
-    come from the cost curve, so the choice follows what was accepted, never the clock. Decayed sums
+    tokens per second than a plain step. A drafted round is worth its accepted tokens over its cost:
+    the modelled one (draft levels x draft_level_s + verify(nodes)), or the time it took where that
+    was longer (the model leaves out the round's bookkeeping: sampled drafts' especially); a plain
+    step 1 / verify(1), which the curve measures with a mask and full logits, a little above a real
+    step: the gate leans to drafting. Decayed sums
     over drafted rounds; once `warmup` are in and they lose, the next `pause` rounds are plain steps
     (vanilla's: lossless as ever), then one drafted round probes again. A probe that still loses
     doubles the pause (up to `max_pause`), one that wins resets it."""
@@ -233,11 +235,13 @@ class DraftGate:
         """Modelled tokens per second of recent drafted rounds."""
         return self.tokens / self.cost if self.cost > 0 else float("inf")
 
-    def observe(self, tokens: int, levels: int, nodes: int) -> None:
-        """A drafted round: tokens emitted, draft levels run, nodes verified (the root included)."""
+    def observe(self, tokens: int, levels: int, nodes: int, seconds: float = 0.0) -> None:
+        """A drafted round: tokens emitted, draft levels run, nodes verified (the root included), and
+        the seconds it took from drafting to the end of verification."""
         d = self.decay
         self.tokens = d * self.tokens + tokens
-        self.cost = d * self.cost + levels * self.profile.draft_level_s + self.profile.verify(nodes)
+        modelled = levels * self.profile.draft_level_s + self.profile.verify(nodes)
+        self.cost = d * self.cost + max(modelled, seconds)
         self.drafted += 1
         if self.drafted < self.warmup:
             return

@@ -132,11 +132,12 @@ class Engine:
         quant = getattr(model.config, "eaglespec_quantization", None)
         if self.head is not None and (quant or getattr(model.config, "eaglespec_kernels", None) == "packed"):
             # a CPU-tuned target gets a CPU-tuned head: drafting must stay cheap next to a fast step. A
-            # draft need not be exact, so the fp32 target's head runs int4-dot where the CPU has it
-            # (drafting reads a quarter of the bytes: +6-8 % tok/s, tau within 0.1; BENCHMARKS section 1);
-            # `head.pack("packed")` before the engine keeps it fp32
-            self.head.pack(quant if quant in ("int4", "bf16", "bf16-dot", "int4-dot") else
-                           "int4-dot" if not quant and bf16dot_available() else "packed")
+            # draft need not be exact, so every target's head runs int4-dot where the CPU has it (the
+            # fp32 target's: drafting reads a quarter of the bytes, +6-8 % tok/s, tau within 0.1; the
+            # bf16 ones' draft LM head streamed 19 MB per level; BENCHMARKS section 1), else the
+            # target's own kind; `head.pack(...)` before the engine keeps another choice
+            self.head.pack("int4-dot" if bf16dot_available() else
+                           quant if quant in ("int4", "bf16", "bf16-dot", "int4-dot") else "packed")
         tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (batch 1)
         spec = parse_spec(tree)
         # a static tree is built once; a dynamic one is regrown by the head every round
@@ -380,7 +381,7 @@ class Engine:
                 cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
             tc = self._clock()
             if gate is not None and use_tree:
-                gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n)
+                gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n, tc - ta)
             if self._watch is not None and use_tree and self._watch.observe(cur.n, tc - tb):
                 self.costs = load_or_measure(self, fresh=True)
                 self._watch.replace(self.costs)

@@ -136,7 +136,7 @@ def available() -> bool:
 
 def bf16dot_available() -> bool:
     """Whether `linear_bf16dot` runs here (the AVX-512 kernels on a CPU with AVX512-BF16)."""
-    return _lib() is not None and hasattr(_lib(), "skinny_linear_bf16dot")
+    return available() and hasattr(_lib(), "skinny_linear_bf16dot")
 
 
 def fits(weight: torch.Tensor) -> bool:
