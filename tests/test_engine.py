@@ -507,14 +507,7 @@ def test_sampling_law_with_plain_steps_between_drafted_rounds():
     law = exact_three_token_law(model, ids, sp).flatten()
     eng = Engine(model, head, tree="dynamic:3,3,0", costs=synthetic_costs(0.0, 0.0))
     eng._gate = Scripted(eng.costs)
-    plain = []
-
-    def draw(seed: int) -> list[int]:
-        out = eng.generate(ids, 3, sampling=sp, seed=seed)
-        plain.append(out.stats.plain_steps)
-        return out.token_ids
-
-    assert_law(draw, law, V, 4000)
+    plain = assert_law_of(eng, ids, sp, law, V, 4000, lambda st: st.plain_steps)
     assert 0 < sum(p > 0 for p in plain) < len(plain)  # both kinds of rounds made first tokens
 
 
@@ -525,6 +518,20 @@ def law_setup() -> tuple[int, torch.nn.Module, object, SamplingParams]:
     with torch.no_grad():
         model.lm_head.weight.mul_(0.3)
     return V, model, good_head(model), SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
+
+
+def assert_law_of(eng: Engine, ids: list[int], sp: SamplingParams, law: torch.Tensor, V: int, n: int,
+                  stat) -> list:
+    """`assert_law` on n three-token generations of `eng` (seeds 0..n-1); returns each one's `stat(stats)`."""
+    seen = []
+
+    def draw(seed: int) -> list[int]:
+        out = eng.generate(ids, 3, sampling=sp, seed=seed)
+        seen.append(stat(out.stats))
+        return out.token_ids
+
+    assert_law(draw, law, V, n)
+    return seen
 
 
 def assert_law(sample, law: torch.Tensor, V: int, n: int) -> None:
@@ -551,14 +558,7 @@ def test_sampling_law_with_prompt_lookup_grafts(draft_sampling, tree):
     ids = [v for x in range(V) for v in (3, x, 4)] + [3]  # 3 -> anything -> 4: every first token has a match
     law = exact_three_token_law(model, ids, sp).flatten()
     eng = Engine(model, head, tree=tree, draft_sampling=draft_sampling, costs=synthetic_costs(0.0, 0.0))
-    grafted = []
-
-    def sample(s: int) -> list[int]:
-        out = eng.generate(ids, 3, sampling=sp, seed=s)
-        grafted.append(out.stats.lookup_tokens)
-        return out.token_ids
-
-    assert_law(sample, law, V, 3000)
+    grafted = assert_law_of(eng, ids, sp, law, V, 3000, lambda st: st.lookup_tokens)
     assert sum(grafted) > 100
 
 

@@ -16,6 +16,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import kernels
 
 
+def _rows_in_use(buf: str) -> property:
+    """`keys` / `values`: a view of the buffer's first `length` rows (None before the first write).
+    CacheLayerMixin's constructor sets them to None; nothing else may set them."""
+    def get(self) -> torch.Tensor | None:
+        return getattr(self, buf)[:, :, :self.length] if self.is_initialized else None
+
+    def set(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError(f"PreallocLayer's {buf} views follow its length; use update / compact / crop")
+
+    return property(get, set)
+
+
 class PreallocLayer(CacheLayerMixin):
     is_sliding = False
 
@@ -47,23 +60,8 @@ class PreallocLayer(CacheLayerMixin):
 
     # views of the rows in use, made when asked: the layers' one-call path moves `length` on its own,
     # and slicing 60 views per forward that nobody reads cost ~0.1 ms of a ~5 ms step
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self.k_buf[:, :, :self.length] if self.is_initialized else None
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise AttributeError("PreallocLayer.keys follows its buffer and length; use update / compact / crop")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self.v_buf[:, :, :self.length] if self.is_initialized else None
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise AttributeError("PreallocLayer.values follows its buffer and length; use update / compact / crop")
+    keys = _rows_in_use("k_buf")
+    values = _rows_in_use("v_buf")
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         return self.length + cache_position.shape[0], 0
