@@ -162,6 +162,23 @@ def test_one_call_decoder_feeds_hooks_and_falls_back_where_it_must(kind):
     torch.testing.assert_close(seen[True][0], seen[False][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(seen[True][1], seen[False][1], rtol=1e-4, atol=1e-4)
     assert seen[True][2] == seen[False][2] == len(IDS) + 2
+    with torch.inference_mode():  # positions for one row of a batch of two, a 2D padding mask: handled alike
+        outs = {}
+        for on in (True, False):
+            lean.ONE_CALL = on
+            try:
+                cache = KVCache(64)
+                model.model(input_ids=torch.tensor([IDS, IDS]), past_key_values=cache, use_cache=True)
+                step = model.model(input_ids=torch.tensor([[7], [9]]), position_ids=torch.tensor([[10]]),
+                                   past_key_values=cache, use_cache=True).last_hidden_state
+                padded = model.model(input_ids=torch.tensor([[3], [4]]), position_ids=torch.tensor([[11], [11]]),
+                                     attention_mask=torch.ones(2, 12, dtype=torch.long), past_key_values=cache,
+                                     use_cache=True).last_hidden_state
+                outs[on] = (step, padded)
+            finally:
+                lean.ONE_CALL = True
+        for a, b in zip(outs[True], outs[False]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     with torch.inference_mode():  # hidden states asked for: transformers' own forward answers
         cache = KVCache(64)
         out = model.model(input_ids=torch.tensor([IDS]), past_key_values=cache, use_cache=True)

@@ -85,7 +85,7 @@ def _one_call(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torc
     if slot + m > layer.max_len:
         raise RuntimeError(f"KV cache full: {slot + m} > max_len {layer.max_len}")
     plan = kwargs.get("eaglespec_plan") or attention.plan_for(attention_mask, b, m, slot + m)
-    cos, sin = (t.float().contiguous() for t in position_embeddings)
+    cos, sin = (t.expand(b, m, -1).float().contiguous() for t in position_embeddings)  # the kernel reads B x M rows
     out = kernels.decoder_layer(self._one_call, hidden_states, cos, sin, layer.k_buf, layer.v_buf, slot, plan)
     layer._set_length(slot + m)
     return out
@@ -144,8 +144,9 @@ def _stack_call(self: nn.Module, input_ids, attention_mask, position_ids, cache,
                 kwargs: dict) -> BaseModelOutputWithPast | None:
     """A decode step or a tree (up to MAX_EXACT_ROWS rows) with explicit positions, on a KVCache
     every layer of which is allocated alike, no outputs asked beyond the last hidden state; else None."""
-    if (not ONE_CALL or torch.is_grad_enabled() or input_ids is None or inputs_embeds is not None
-            or position_ids is None or not isinstance(cache, KVCache) or set(kwargs) - {"eaglespec_plan"}):
+    if (not ONE_CALL or self.training or torch.is_grad_enabled() or input_ids is None or inputs_embeds is not None
+            or position_ids is None or not isinstance(cache, KVCache) or set(kwargs) - {"eaglespec_plan"}
+            or attention_mask is not None and attention_mask.dim() != 4):  # a 2D padding mask: transformers'
         return None
     b, m = input_ids.shape
     layers = cache.layers
@@ -161,7 +162,7 @@ def _stack_call(self: nn.Module, input_ids, attention_mask, position_ids, cache,
     slot = first.length
     if slot + m > first.max_len:
         raise RuntimeError(f"KV cache full: {slot + m} > max_len {first.max_len}")
-    cos, sin = (t.float().contiguous() for t in self.rotary_emb(h, position_ids))
+    cos, sin = (t.expand(b, m, -1).float().contiguous() for t in self.rotary_emb(h, position_ids.expand(b, m)))
     plan = kwargs.get("eaglespec_plan") or attention.plan_for(attention_mask, b, m, slot + m)
     x = h.contiguous()  # a fresh tensor: the layers update it in place
     k_bufs = torch.tensor([lay.k_buf.data_ptr() for lay in layers])
