@@ -107,11 +107,10 @@ def test_draft_gate_pauses_drafting_that_loses_and_probes_again():
         gate.observe(6, 2, 8)  # deep acceptance on a big tree: 6 / 5.0 per round, winning back
     assert gate.rate() > 1.0 and gate.pause == 4 and all(gate.draft() for _ in range(5))
     assert DraftGate(prof).rate() == float("inf")
-    timed = DraftGate(prof, warmup=1)
-    timed.observe(3, 1, 2, seconds=0.5)  # modelled 1.75 s for 3 tokens: wins
-    assert timed.draft()
-    timed.observe(3, 1, 2, seconds=9.0)  # but this one took 9 s: the longer of the two counts
-    assert not timed.draft()
+    for seconds, closes in ((0.5, False), (3.2, True), (1000.0, True)):  # modelled: 1.75 s for 3 tokens, a win
+        timed = DraftGate(prof, warmup=1)
+        timed.observe(3, 1, 2, seconds=seconds)  # the longer of model and clock counts, up to twice the model
+        assert timed.draft() != closes and timed.cost == min(max(1.75, seconds), 3.5)
 
 
 def test_auto_tree_goes_plain_where_drafting_loses_and_stays_lossless(tiny_pair):

@@ -212,7 +212,8 @@ class DraftGate:
     arithmetic-bound (int4-dot on 2 cores: 8 tokens cost 2x one), a drafted round may bring fewer
     tokens per second than a plain step. A drafted round is worth its accepted tokens over its cost:
     the modelled one (draft levels x draft_level_s + verify(nodes)), or the time it took where that
-    was longer (the model leaves out the round's bookkeeping: sampled drafts' especially); a plain
+    was longer (the model leaves out the round's bookkeeping: sampled drafts' especially), up to
+    twice the model (a process's first rounds pay one-off costs that would shut the gate); a plain
     step 1 / verify(1), which the curve measures with a mask and full logits, a little above a real
     step: the gate leans to drafting. Decayed sums
     over drafted rounds; once `warmup` are in and they lose, the next `pause` rounds are plain steps
@@ -241,7 +242,7 @@ class DraftGate:
         d = self.decay
         self.tokens = d * self.tokens + tokens
         modelled = levels * self.profile.draft_level_s + self.profile.verify(nodes)
-        self.cost = d * self.cost + max(modelled, seconds)
+        self.cost = d * self.cost + min(max(modelled, seconds), 2 * modelled)
         self.drafted += 1
         if self.drafted < self.warmup:
             return
