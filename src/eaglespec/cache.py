@@ -130,8 +130,9 @@ class KVCache(Cache):
         if self._one_call_compaction(dst, src, lists):
             bufs = [t for layer in self.layers for t in (layer.k_buf, layer.v_buf)]
             kernels.kv_compact(bufs, dst, src, lists)
+            length = max(d + len(k) for d, k in zip(dst, lists))
             for layer in self.layers:
-                layer._set_length(max(d + len(k) for d, k in zip(dst, lists)))
+                layer._set_length(length)
             return
         for layer in self.layers:
             layer.compact_rows(dst, src, keeps)

@@ -105,20 +105,16 @@ def _lib() -> ctypes.CDLL | None:
         if hasattr(lib, extra):
             getattr(lib, extra).argtypes = fn.argtypes
             getattr(lib, extra).restype = None
-    if hasattr(lib, "decoder_layer"):
-        P, L = ctypes.c_void_p, ctypes.c_long
-        lib.decoder_layer.argtypes = [P, P, L, L, L, P, P, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_int]
-        lib.decoder_layer.restype = None
+    P, L = ctypes.c_void_p, ctypes.c_long
+    if hasattr(lib, "decoder_stack"):
         lib.decoder_stack.argtypes = [P, L, P, L, L, L, P, P, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_int]
         lib.decoder_stack.restype = None
-    P, L = ctypes.c_void_p, ctypes.c_long
     lib.kv_compact.argtypes = [P, L, L, L, L, L, L, P, L, P, P]
     lib.kv_compact.restype = None
     lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
                              ctypes.c_void_p]
     lib.rms_norm.restype = None
     if hasattr(lib, "attend_rows"):
-        P, L = ctypes.c_void_p, ctypes.c_long
         lib.attend_rows.argtypes = [P, L, L, L, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_float, P, ctypes.c_int]
         lib.attend_rows.restype = None
     return lib
@@ -310,8 +306,8 @@ class _Layer(ctypes.Structure):
 
 
 def layer_available() -> bool:
-    """Whether `decoder_layer` runs here (the AVX-512 kernels)."""
-    return _lib() is not None and hasattr(_lib(), "decoder_layer")
+    """Whether `decoder_layer` / `decoder_stack` run here (the AVX-512 kernels)."""
+    return _lib() is not None and hasattr(_lib(), "decoder_stack")
 
 
 @dataclass
@@ -341,21 +337,18 @@ class LayerSpec:
                               self.norm2.data_ptr(), self.heads, self.kv_heads, self.head_dim, self.inter,
                               self.eps, self.scale)
         self.address = ctypes.addressof(self._struct)
+        self.addresses = torch.tensor([self.address])  # `decoder_stack`'s list, of this layer alone
 
 
 def decoder_layer(spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
                   v_buf: torch.Tensor, slot: int, plan: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """One Llama / Qwen2 decoder layer on x (B, M, H) fp32 (skinny.c's `decoder_layer`): returns the
     layer's output, having written the rows' keys and values into k_buf / v_buf (B, Hkv, max_len, D)
-    at positions slot.. slot + M - 1. cos, sin: (B, M, D); plan: `attention.pack_plan` over the cache
-    after the write."""
-    b, m, h = x.shape
+    at positions slot.. slot + M - 1 (v_buf shaped as k_buf). cos, sin: (B, M, D); plan:
+    `attention.pack_plan` over the cache after the write. A stack of one (`decoder_stack`)."""
     out = x.clone(memory_format=torch.contiguous_format)  # in place on a copy: hooks may hold the input
-    pb, pi, pn, po, pt = plan
-    _lib().decoder_layer(spec.address, out.data_ptr(), b, m, h, cos.data_ptr(), sin.data_ptr(), k_buf.data_ptr(),
-                         v_buf.data_ptr(), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), slot,
-                         pb.numel(), pb.data_ptr(), pi.data_ptr(), pn.data_ptr(), po.data_ptr(), pt.data_ptr(),
-                         torch.get_num_threads())
+    decoder_stack(spec.addresses, out, cos, sin, torch.tensor([k_buf.data_ptr()]), torch.tensor([v_buf.data_ptr()]),
+                  k_buf, slot, plan)
     return out
 
 

@@ -73,22 +73,40 @@ def _one_call(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torc
     """The layer as one `kernels.decoder_layer` call, or None where it does not apply (a long block,
     another cache, a cache layer not yet allocated: the first forward allocates it)."""
     b, m, _ = hidden_states.shape
-    if b * m > attention.MAX_EXACT_ROWS or not isinstance(cache, KVCache) or hidden_states.dtype != torch.float32:
-        return None
     idx = self.self_attn.layer_idx
-    if len(cache.layers) <= idx or not cache.layers[idx].is_initialized:
+    if b * m > attention.MAX_EXACT_ROWS or not isinstance(cache, KVCache) or hidden_states.dtype != torch.float32 \
+            or len(cache.layers) <= idx:
         return None
     layer = cache.layers[idx]
-    if layer.k_buf.shape[0] != b or layer.k_buf.dtype != torch.float32:
+    slot = _write_slot([layer], b, m)
+    if slot is None:
         return None
-    slot = layer.length
-    if slot + m > layer.max_len:
-        raise RuntimeError(f"KV cache full: {slot + m} > max_len {layer.max_len}")
-    plan = kwargs.get("eaglespec_plan") or attention.plan_for(attention_mask, b, m, slot + m)
-    cos, sin = (t.expand(b, m, -1).float().contiguous() for t in position_embeddings)  # the kernel reads B x M rows
+    cos, sin, plan = _rows_inputs(position_embeddings, attention_mask, kwargs, b, m, slot)
     out = kernels.decoder_layer(self._one_call, hidden_states, cos, sin, layer.k_buf, layer.v_buf, slot, plan)
     layer._set_length(slot + m)
     return out
+
+
+def _write_slot(layers: list, b: int, m: int) -> int | None:
+    """Where m new rows of b sequences go in these cache layers (one position for all of them), or
+    None where the one-call kernels cannot write them: a layer not yet allocated (the first forward
+    allocates it), lengths apart, another batch size, a cache not fp32, values shaped unlike keys
+    (the kernels read both with the keys' strides)."""
+    first = layers[0]
+    if not all(lay.is_initialized and lay.length == first.length for lay in layers) or first.k_buf.shape[0] != b \
+            or first.k_buf.dtype != torch.float32 or first.v_buf.shape != first.k_buf.shape:
+        return None
+    if first.length + m > first.max_len:
+        raise RuntimeError(f"KV cache full: {first.length + m} > max_len {first.max_len}")
+    return first.length
+
+
+def _rows_inputs(position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None,
+                 kwargs: dict, b: int, m: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """cos and sin as B x M contiguous rows (positions may be shared by a batch's rows), and the
+    attention plan (the engine's, else this forward's, made once) over the cache after the write."""
+    cos, sin = (t.expand(b, m, -1).float().contiguous() for t in position_embeddings)
+    return cos, sin, kwargs.get("eaglespec_plan") or attention.plan_for(attention_mask, b, m, slot + m)
 
 
 def one_call_spec(layer: nn.Module) -> kernels.LayerSpec | None:
@@ -152,25 +170,20 @@ def _stack_call(self: nn.Module, input_ids, attention_mask, position_ids, cache,
     layers = cache.layers
     if b * m > attention.MAX_EXACT_ROWS or len(layers) != len(self.layers):
         return None
-    first = layers[0]
-    if not all(lay.is_initialized and lay.length == first.length for lay in layers) \
-            or first.k_buf.shape[0] != b or first.v_buf.shape != first.k_buf.shape:
+    slot = _write_slot(layers, b, m)
+    if slot is None:
         return None
     h = self.embed_tokens(input_ids)
     if h.dtype != torch.float32:
         return None
-    slot = first.length
-    if slot + m > first.max_len:
-        raise RuntimeError(f"KV cache full: {slot + m} > max_len {first.max_len}")
-    cos, sin = (t.expand(b, m, -1).float().contiguous() for t in self.rotary_emb(h, position_ids.expand(b, m)))
-    plan = kwargs.get("eaglespec_plan") or attention.plan_for(attention_mask, b, m, slot + m)
+    cos, sin, plan = _rows_inputs(self.rotary_emb(h, position_ids.expand(b, m)), attention_mask, kwargs, b, m, slot)
     x = h.contiguous()  # a fresh tensor: the layers update it in place
     k_bufs = torch.tensor([lay.k_buf.data_ptr() for lay in layers])
     v_bufs = torch.tensor([lay.v_buf.data_ptr() for lay in layers])
     start = 0
     for i in [i for i, layer in enumerate(self.layers) if layer._forward_pre_hooks] + [len(layers)]:
         if i > start:
-            kernels.decoder_stack(self._stack[start:i], x, cos, sin, k_bufs[start:i], v_bufs[start:i], first.k_buf,
+            kernels.decoder_stack(self._stack[start:i], x, cos, sin, k_bufs[start:i], v_bufs[start:i], layers[0].k_buf,
                                   slot, plan)
         if i < len(layers):  # a hook (the aux layers' tap) reads this layer's input: give it a copy
             layer = self.layers[i]

@@ -431,7 +431,7 @@ void decoder_layer(const layer_t *L, float *x, long B, long M, long H, const flo
     long big = W > 2 * I ? W : 2 * I;
     float *h = (float *)malloc(sizeof(float) * rows * H), *t = (float *)malloc(sizeof(float) * rows * big);
     float *q = (float *)malloc(sizeof(float) * rows * nq * D), *a = (float *)malloc(sizeof(float) * rows * nq * D);
-    float *y = (float *)malloc(sizeof(float) * rows * (H > I ? H : I));
+    float *y = (float *)malloc(sizeof(float) * rows * H); /* o's and down's outputs */
     rms_norm(x, rows, H, L->norm1, L->eps, h);
     run_linear(&L->qkv, h, rows, t, threads);
     for (long r = 0; r < rows; r++) {
@@ -467,9 +467,7 @@ void decoder_layer(const layer_t *L, float *x, long B, long M, long H, const flo
     for (long i = 0; i < rows * H; i++) x[i] = x[i] + y[i];
     free(h), free(t), free(q), free(a), free(y), free(act);
 }
-#endif
 
-#ifdef __AVX512F__
 /* n consecutive decoder layers in one call (lean.py's decoder forward): layers[i] is the address of
  * layer i's layer_t, kcs[i] / vcs[i] of its cache buffers (all alike in shape); the rest as
  * decoder_layer. A SmolLM2 step makes 30 layer calls; from Python each cost ~15 us around its work. */
