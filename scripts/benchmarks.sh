@@ -52,6 +52,9 @@ for stage in $STAGES; do
     ablation-int4)  # the same question for the int4 target, whose cost curve differs
       eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
         --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto,eagle@auto+lookup --out "$OUT/ablation-int4" ;;
+    ablation-int4-dot)  # the same for int4-dot, the fastest target where the CPU has AVX512-BF16
+      eaglespec bench --quantize int4-dot --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
+        --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto,eagle@auto+lookup --out "$OUT/ablation-int4-dot" ;;
     main)      # all four datasets, T=0 and T=1, every peer
       K=$(fp32_kernels)
       eaglespec bench $K --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only --temperature 0,1 --tree "$TREE" \

@@ -98,17 +98,37 @@ def test_completions_take_raw_text(srv):
 
 
 def test_stop_strings_cut_the_text(srv):
-    full, _, _ = vanilla(srv, srv.tok("w5 w9 w17")["input_ids"], 40)
+    full, ids, _ = vanilla(srv, srv.tok("w5 w9 w17")["input_ids"], 40)
     words = full.split()
     stop = " " + words[len(words) // 2]  # spans two tokens' text: the space and the word
     want = full[:full.find(stop)]
+    # what vanilla decoding with this stop string would have generated: up to the stop string's end
+    used = next(n for n in range(1, len(ids) + 1) if stop in srv.tok.decode(ids[:n], skip_special_tokens=True))
     body = {"prompt": "w5 w9 w17", "temperature": 0, "max_tokens": 40, "stop": ["never there", stop]}
     status, r = post(srv, "/v1/completions", body)
     assert status == 200, r
     assert r["choices"][0] == {"index": 0, "text": want, "finish_reason": "stop", "logprobs": None}
+    assert r["usage"]["completion_tokens"] == used
     streamed = post_stream(srv, "/v1/completions", body)
     assert "".join(c["choices"][0]["text"] for c in streamed[:-1]) == want
     assert streamed[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_usage_counts_no_token_past_a_stop_string(srv, monkeypatch):
+    """A round may accept tokens past the stop string; usage counts what vanilla decoding would have."""
+    full, ids, _ = vanilla(srv, srv.tok("w5 w9 w17")["input_ids"], 40)
+    stop = " " + full.split()[3]
+    used = next(n for n in range(1, len(ids) + 1) if stop in srv.tok.decode(ids[:n], skip_special_tokens=True))
+    assert used < len(ids)
+
+    def one_round(prompt_ids, max_tokens, sampling, method, seed, eos, stats):
+        stats.new_tokens = len(ids)  # every token in one round, as a long accepted path would give
+        yield list(ids), "length"
+
+    monkeypatch.setattr(srv.engine, "stream", one_round)
+    status, r = post(srv, "/v1/completions", {"prompt": "w5 w9 w17", "temperature": 0, "max_tokens": 40, "stop": stop})
+    assert status == 200 and r["choices"][0]["text"] == full[:full.find(stop)]
+    assert r["usage"]["completion_tokens"] == used
 
 
 def test_sampling_follows_the_seed_and_the_parameters(srv):
@@ -222,6 +242,9 @@ def test_text_stream_waits_for_whole_characters_and_stop_strings():
     assert [t.push([i]) for i in (0, 1, 2)] == ["ab", "c", ""]  # "<" and "</s" might begin the stop string
     assert t.push([3]) == "" and t.stopped and t.text == "abc"
     assert t.push([4]) == "" and t.finish() == ""  # after the stop nothing more comes
+    assert t.used == 4  # the tokens up to the stop string's end
+    t = TextStream(tok, stop=["</s>"])
+    assert t.push([0, 1, 2, 3, 4, 5]) == "abc" and t.used == 4  # one round past the stop string
     t = TextStream(tok, stop=["</s>"])
     assert t.push([1]) == "c"
     assert t.push([6]) == "<<x"  # a false alarm is released once the text moves on

@@ -151,11 +151,12 @@ class Completion:
         self.created = int(time.time())
         self.stats = GenerationStats()
         self.finish_reason = "length"
+        self.text: TextStream | None = None
 
     def pieces(self) -> Iterator[str]:
         """The completion's text, piece by piece as the engine accepts tokens (call with the lock held)."""
         s, req = self.server, self.req
-        text = TextStream(s.tok, req.stop)
+        text = self.text = TextStream(s.tok, req.stop)
         try:
             for new, reason in s.engine.stream(req.prompt_ids, req.max_tokens, req.sampling, s.method, req.seed,
                                                s.eos, self.stats):
@@ -176,6 +177,8 @@ class Completion:
 
     def usage(self) -> dict:
         n, m = len(self.req.prompt_ids), self.stats.new_tokens
+        if self.text is not None and self.text.stopped:
+            m = self.text.used  # not the tokens a round accepted past the stop string
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
     def extras(self) -> dict:

@@ -24,16 +24,23 @@ class TextStream:
         self.ids: list[int] = []
         self.text = ""  # released so far
         self.stopped = False
+        self.used = 0  # tokens the text needed: all pushed, or those up to the end of the stop string
 
     def push(self, ids: list[int]) -> str:
         """Add tokens; return the text that became final (possibly "")."""
         if self.stopped:
             return ""
+        before = len(self.ids)
         self.ids += ids
+        self.used = len(self.ids)
         full = self.tok.decode(self.ids, skip_special_tokens=True)
         cut = self._first_stop(full)
         if cut is not None:
             self.stopped = True
+            # a round may accept tokens past the stop string: they were never the answer's, and
+            # vanilla decoding would have stopped at the first prefix that holds the stop string
+            self.used = next(n for n in range(before + 1, len(self.ids) + 1)
+                             if self._first_stop(self.tok.decode(self.ids[:n], skip_special_tokens=True)) is not None)
             return self._release(full[:cut])
         end = len(full.rstrip("\ufffd"))
         hold = 0  # the longest tail that is the start of a stop string
