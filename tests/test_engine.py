@@ -253,6 +253,11 @@ def test_context_vocabulary_adds_the_texts_tokens(tiny_pair):
     assert small.logits(x).shape[-1] == V // 2 + 2
     small.reset_context()
     torch.testing.assert_close(small.logits(x), full[:, ::2])
+    small.add_context(torch.tensor([11, 3, 11, 8] * 20))  # a prompt's many tokens, then a round's few
+    small.add_context(torch.tensor([3, 5, 13]))
+    assert small.to_target_ids(torch.arange(V // 2, V // 2 + 4)).tolist() == [3, 11, 5, 13]
+    torch.testing.assert_close(small.logits(x)[:, V // 2:], full[:, [3, 11, 5, 13]])
+    small.reset_context()
     small.context_vocab = False
     small.add_context(torch.tensor([7]))
     assert small.logits(x).shape[-1] == V // 2

@@ -185,3 +185,58 @@ def test_one_call_decoder_feeds_hooks_and_falls_back_where_it_must(kind):
         out = model.model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[10]]), past_key_values=cache,
                           use_cache=True, output_hidden_states=True)
         assert len(out.hidden_states) == 3
+
+
+def test_rope_table_gives_the_rotary_modules_numbers():
+    """`lean.rope` reads a table made by the module itself: the same bits for any positions, the
+    table growing as they do; with autograd, or a rope type whose angles move with the length, the
+    module answers."""
+    model = tiny_target("llama", device="cpu", max_pos=4096)
+    rotary, x = model.model.rotary_emb, torch.zeros(1, 1, 64)
+    with torch.inference_mode():
+        for pos in ([[0, 1, 2]], [[1023, 5, 77], [1500, 2, 3]], [[3000]]):
+            p = torch.tensor(pos)
+            mine, theirs = lean.rope(rotary, x, p), rotary(x, p)
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs)) and mine[0].shape == theirs[0].shape
+        assert rotary._eaglespec_table[0].shape[1] >= 3001
+    fresh = tiny_target("llama", device="cpu").model.rotary_emb
+    lean.rope(fresh, x, torch.tensor([[4]]))  # autograd on: the module itself, no table
+    assert not hasattr(fresh, "_eaglespec_table")
+    fresh.rope_type = "dynamic"
+    with torch.inference_mode():
+        lean.rope(fresh, x, torch.tensor([[4]]))
+    assert not hasattr(fresh, "_eaglespec_table")
+
+
+@needs_layer
+def test_packed_head_close_to_its_unpacked_self():
+    """The packed head's lean forward (one-call layer, the causal plan made without a mask, the fused
+    layers' norm in C, the rope table) predicts what the plain head does: a context block, then a
+    tree level under its mask."""
+    import copy
+
+    model = tiny_target("llama", device="cpu")
+    head = good_head(model).add_aux_layers([0, 1])
+    pack_target(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        head.fuse.weight.normal_(0, 0.05)
+    packed = copy.deepcopy(head)
+    packed._frozen = head._frozen
+    packed.pack("packed")
+    assert packed._lean
+    h = model.config.hidden_size
+    outs = {}
+    with torch.inference_mode():
+        for name, hd in (("plain", head), ("packed", packed)):
+            cache, g = KVCache(64), torch.Generator().manual_seed(1)
+            feats = torch.randn(1, 6, 3 * h, generator=g)
+            ctx = hd(feats, torch.tensor([IDS[:6]]), torch.arange(6)[None], None, cache)
+            more = hd(feats[:, :2], torch.tensor([IDS[6:8]]), torch.arange(6, 8)[None], None, cache)
+            mask = torch.zeros(1, 1, 5, 13)
+            mask[0, 0, :, 8:] = torch.where(TREE, 0.0, float("-inf"))
+            pos = torch.tensor([[8, 9, 9, 10, 10]])
+            tree = hd(torch.randn(1, 5, h, generator=g), torch.tensor([IDS[:5]]), pos, mask, cache)
+            outs[name] = (ctx, more, tree)
+    for a, b in zip(outs["plain"], outs["packed"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -33,6 +33,8 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 
 from .errors import CheckpointError, EaglespecError, HeadMismatchError
 from .io import atomic_save_safetensors, atomic_write_json
+from . import attention, kernels
+from .lean import one_call_layers, rope
 from .tree import float_mask
 
 HEAD_FORMAT = "eaglespec-draft-head"
@@ -93,6 +95,7 @@ class EagleDraftHead(nn.Module):
         self._w_draft: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, not saved
         self._packed_draft: nn.Module | None = None  # the same rows, pre-packed (inference only)
         self.kernels: str | None = None  # what `pack` chose ("packed", "int4-dot", ...); None = unpacked
+        self._lean = False  # inference through one-call layers (`pack`): plans and norms in C
         # Reduced draft vocabulary (FR-Spec / EAGLE-3 style): draft id -> target id. The head only
         # ever proposes these tokens, which keeps verification lossless and makes drafting cheaper.
         self.register_buffer("d2t", None if draft_vocab is None else draft_vocab.long().clone())
@@ -152,11 +155,19 @@ class EagleDraftHead(nn.Module):
         if self._known is None:
             self._known = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.d2t.device)
             self._known[self.d2t] = True
-        t = tokens.to(self._known.device).flatten().unique()
-        new = t[~self._known[t]]
-        if new.numel() == 0:
-            return
+            self._known_ids = set(self.d2t.tolist())
+        if tokens.numel() <= 64:  # a round's few tokens: skip unique() and the mask (~0.1 ms a round)
+            new = [t for t in set(tokens.flatten().tolist()) if t not in self._known_ids]
+            if not new:
+                return
+            new = torch.tensor(sorted(new), device=self._known.device)
+        else:
+            t = tokens.to(self._known.device).flatten().unique()
+            new = t[~self._known[t]]
+            if new.numel() == 0:
+                return
         self._known[new] = True
+        self._known_ids.update(new.tolist())
         rows = self._lm_rows(new)
         self._ctx_ids = torch.cat([self.d2t if self._ctx_ids is None else self._ctx_ids, new])
         self._w_ctx = rows if self._w_ctx is None else torch.cat([self._w_ctx, rows])
@@ -189,8 +200,10 @@ class EagleDraftHead(nn.Module):
         position_ids: torch.Tensor,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # (B, 1, T, past + T) float, None = causal
         cache: Any = None,
+        plan: tuple[torch.Tensor, ...] | None = None,  # `attention.pack_plan` of the mask, if known
     ) -> torch.Tensor:
         """Predicted next features f_hat_{j+1}, shape (B, T, H)."""
+        lean = self._lean and not torch.is_grad_enabled()
         aux = None
         if features.shape[-1] > self.hidden_size:  # the target's fused inputs ride after f_j
             features, aux = features[..., : self.hidden_size], features[..., self.hidden_size:]
@@ -202,14 +215,21 @@ class EagleDraftHead(nn.Module):
         h = self.fc(torch.cat([features, emb], dim=-1))
         if aux is not None and self.fuse is not None:
             k = len(self.aux_layers)
-            aux = nn.functional.rms_norm(aux.unflatten(-1, (k, self.hidden_size)), (self.hidden_size,))
+            aux = aux.unflatten(-1, (k, self.hidden_size))
+            if lean:  # one C call, not ~5 torch ops (a draft need not match them bit for bit)
+                aux = kernels.rms_norm(aux.contiguous(), self._ones, torch.finfo(aux.dtype).eps)
+            else:
+                aux = nn.functional.rms_norm(aux, (self.hidden_size,))
             h = h + self.fuse(aux.flatten(-2))
+        b, t = tokens.shape
         if attention_mask is None:
-            t = h.shape[1]
             past = cache.get_seq_length() if cache is not None else 0
             allowed = torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past)
             attention_mask = float_mask(allowed, h.dtype)
-        cos_sin = self.rotary(h, position_ids)
+            if lean and b * t <= attention.MAX_EXACT_ROWS:
+                plan = attention.pack_plan(None, b, t, past + t)  # causal: no mask to read
+        extra = {"eaglespec_plan": plan} if plan is not None and lean else {}
+        cos_sin = rope(self.rotary, h, position_ids)
         for layer in self.layers:
             out = layer(
                 h,
@@ -219,6 +239,7 @@ class EagleDraftHead(nn.Module):
                 use_cache=cache is not None,
                 cache_position=position_ids[0],
                 position_embeddings=cos_sin,
+                **extra,
             )
             h = out[0] if isinstance(out, tuple) else out
         return h
@@ -307,6 +328,8 @@ class EagleDraftHead(nn.Module):
             return self
         if kernels_available():  # fused q/k/v and gate/up, fast norms, lean (one-call) layers, as the target's
             eager_fast_paths(self, lambda m: make(m) if fits(m) else m)
+            self._lean = one_call_layers(self) and next(self.parameters()).dtype == torch.float32
+            self._ones = torch.ones(self.hidden_size)
         replace_linears(self, make, lambda m: type(m) is nn.Linear and fits(m))
         if self.d2t is not None:
             if self._w_draft is None:
