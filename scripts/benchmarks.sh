@@ -3,7 +3,7 @@
 # with STAGES="tau"). Run on an idle machine: other CPU load distorts every ratio.
 set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
-STAGES=${STAGES:-"profile ablation ablation-int4 compile main int4 int4-t1 bf16 bf16-dot int4-dot batch tau"}
+STAGES=${STAGES:-"profile ablation ablation-int4-dot compile main int4 int4-t1 bf16 bf16-dot int4-dot int4-q8 batch tau"}
 N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
 TREE=${TREE:-auto+lookup}  # the eagle row of the main table: the best tree of the ablation, plus prompt-lookup grafts
 TREE4=${TREE4:-auto+lookup}  # the same for the int4 target (its own ablation)
@@ -81,6 +81,9 @@ for stage in $STAGES; do
     int4-dot)  # int4 weights and bf16-rounded linear inputs (AVX512-BF16; its own vanilla): int4's bytes, bf16-dot's trees
       eaglespec bench --quantize int4-dot --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
         --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,llamacpp --out "$OUT/int4-dot" ;;
+    int4-q8)   # int4 weights and int8 inputs per 32 (AVX512-VNNI; its own vanilla): llama.cpp's Q4 x Q8 arithmetic
+      eaglespec bench --quantize int4-q8 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+        --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,eagle@chain:1,llamacpp --out "$OUT/int4-q8" ;;
     int4-dot-compile)  # the same, torch.compile'd (cold compilation included in the process, not in the numbers)
       eaglespec bench --quantize int4-dot --compile --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
         --temperature 0 --tree "$TREE4" --methods vanilla,eagle,eagle@auto,llamacpp --out "$OUT/int4-dot-compile" ;;

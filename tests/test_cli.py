@@ -162,12 +162,13 @@ def test_generate_quantized_target(tiny_dirs, gen, quant):
     assert outs[0] == outs[1] and len(outs[0]) == 16
 
 
-def test_quantize_fastest_is_int4_dot_where_the_cpu_runs_it(tiny_dirs, gen, monkeypatch):
-    """--quantize fastest: int4-dot with AVX512-BF16, else int4, resolved before anything loads."""
+def test_quantize_fastest_is_int4_q8_or_int4_dot_where_the_cpu_runs_it(tiny_dirs, gen, monkeypatch):
+    """--quantize fastest: int4-q8 with AVX512-VNNI, else int4-dot with AVX512-BF16, else int4, resolved
+    before anything loads."""
     from eaglespec import kernels
     from eaglespec.quant import fastest_quantizer, int4_available
 
-    want = "int4-dot" if kernels.bf16dot_available() else "int4"
+    want = "int4-q8" if kernels.q4q8_available() else "int4-dot" if kernels.bf16dot_available() else "int4"
     assert fastest_quantizer() == want
     if want == "int4" and not int4_available():
         pytest.skip("no int4 kernel here")
@@ -182,6 +183,8 @@ def test_quantize_fastest_is_int4_dot_where_the_cpu_runs_it(tiny_dirs, gen, monk
 
     model, _ = load_target(str(tiny_dirs / "model"), quantize="fastest")
     assert model.config.eaglespec_quantization == want
+    monkeypatch.setattr(kernels, "q4q8_available", lambda: False)
+    assert fastest_quantizer() == ("int4-dot" if kernels.bf16dot_available() else "int4")
     monkeypatch.setattr(kernels, "bf16dot_available", lambda: False)
     assert fastest_quantizer() == "int4"
 

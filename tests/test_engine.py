@@ -111,6 +111,16 @@ def test_draft_gate_pauses_drafting_that_loses_and_probes_again():
         timed = DraftGate(prof, warmup=1)
         timed.observe(3, 1, 2, seconds=seconds)  # the longer of model and clock counts, up to twice the model
         assert timed.draft() != closes and timed.cost == min(max(1.75, seconds), 3.5)
+    for plain_s, reopens in ((0.2, False), (1.0, False), (1.8, True)):  # plain steps timed alike, at least the model
+        gate = DraftGate(prof, warmup=1, pause=2)
+        gate.observe(2, 3, 2)  # 2 / 2.25 tokens/s: loses to the curve's plain step (1 token/s)
+        assert [gate.draft() for _ in range(2)] == [False, False]
+        for _ in range(2):
+            gate.observe_plain(plain_s)
+        assert gate.plain_rate() == pytest.approx(1 / min(max(1.0, plain_s), 2.0))
+        assert gate.draft()  # the probe
+        gate.observe(2, 3, 2)  # the same round again: a win only where plain steps really took longer
+        assert gate.draft() == reopens
 
 
 def test_auto_tree_goes_plain_where_drafting_loses_and_stays_lossless(tiny_pair):

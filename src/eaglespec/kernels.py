@@ -57,6 +57,8 @@ def _build(out_dir: Path, isa: str) -> Path:
     flags = [*FLAGS, ISA_FLAGS[isa]]
     if isa == "avx512" and cpu_has("avx512_bf16"):
         flags.append("-mavx512bf16")  # adds skinny_linear_bf16dot
+    if isa == "avx512" and cpu_has("avx512_vnni") and cpu_has("avx512bw"):
+        flags += ["-mavx512vnni", "-mavx512bw"]  # adds skinny_linear_q4q8
     digest = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     lib = out_dir / f"skinny-{digest}.so"
     if lib.exists():
@@ -98,7 +100,7 @@ def _lib() -> ctypes.CDLL | None:
     q4.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     q4.restype = None
-    for dot in ("skinny_linear_q4dot", "skinny_linear_q4dot_f32"):
+    for dot in ("skinny_linear_q4dot", "skinny_linear_q4dot_f32", "skinny_linear_q4q8"):
         if hasattr(lib, dot):
             getattr(lib, dot).argtypes, getattr(lib, dot).restype = q4.argtypes, None
     for extra in ("skinny_linear_bf16", "skinny_linear_bf16dot", "skinny_linear_bf16dot_f32"):
@@ -133,6 +135,11 @@ def available() -> bool:
 def bf16dot_available() -> bool:
     """Whether `linear_bf16dot` runs here (the AVX-512 kernels on a CPU with AVX512-BF16)."""
     return available() and hasattr(_lib(), "skinny_linear_bf16dot")
+
+
+def q4q8_available() -> bool:
+    """Whether `linear_q4q8` runs here (the AVX-512 kernels on a CPU with AVX512-VNNI)."""
+    return available() and hasattr(_lib(), "skinny_linear_q4q8")
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -259,6 +266,28 @@ def linear_q4dot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shif
                 (codes, scale, shifted_min), bias, pairs=True)
 
 
+def pack_q4q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Codes q (N, K) in 0..15 and per-group scale, minimum (N, K / 32) -> skinny_linear_q4q8's layout:
+    (N / 32, K / 4, 64) bytes (byte 4j + t of quad step p: input 4p + t of column j in the low nibble, of
+    column 16 + j in the high one), the scale and minimum as (N / 32, K / 32, 32) fp16."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).reshape(n // BLOCK, BLOCK, k // 4, 4).transpose(1, 2)  # (N/32, K/4, 32, 4)
+    half = BLOCK // 2
+    codes = (blocks[:, :, :half] | (blocks[:, :, half:] << 4)).reshape(n // BLOCK, k // 4, 2 * BLOCK).contiguous()
+    return codes, _per_block(scale).half(), _per_block(minimum).half()
+
+
+def linear_q4q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = q8(x) @ w.T + bias for a 2-D fp32 x (M, K), w = q * scale + minimum packed by `pack_q4q8`:
+    each group of 32 inputs of a row quantized to d * int8 (d = its max |x| / 127), then summed
+    against the codes in int32 (VPDPBUSD) and scaled per group in fp32."""
+    if torch.compiler.is_compiling():
+        return torch.ops.eaglespec.skinny_linear_q4q8(x, codes, scale, minimum, bias)
+    return _run(_lib().skinny_linear_q4q8, x, codes.shape[1] * 4, codes.shape[0] * BLOCK, (codes, scale, minimum),
+                bias)
+
+
 def attention_available() -> bool:
     """Whether `attend_rows` runs here (the AVX-512 kernels)."""
     return _lib() is not None and hasattr(_lib(), "attend_rows")
@@ -282,7 +311,7 @@ def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pla
 
 
 class LinearSpec(NamedTuple):
-    """A linear layer as `decoder_layer` calls it: the kernel ("f32", "bf16", "q4", "bf16dot", "q4dot"),
+    """A linear layer as `decoder_layer` calls it: the kernel ("f32", "bf16", "q4", "bf16dot", "q4dot", "q4q8"),
     K as that kernel counts inputs (pairs for the -dot kinds), N outputs, its packed operands, a bias."""
     kind: str
     k: int
@@ -291,7 +320,7 @@ class LinearSpec(NamedTuple):
     bias: torch.Tensor | None
 
 
-_LIN_KINDS = {"f32": 0, "bf16": 1, "q4": 2, "bf16dot": 3, "q4dot": 4}  # skinny.c's LIN_* values
+_LIN_KINDS = {"f32": 0, "bf16": 1, "q4": 2, "bf16dot": 3, "q4dot": 4, "q4q8": 5}  # skinny.c's LIN_* values
 
 
 class _Lin(ctypes.Structure):
@@ -415,6 +444,7 @@ def _register_q4_op(name: str, eager: Callable) -> None:
 
 _register_q4_op("skinny_linear_q4", linear_q4)
 _register_q4_op("skinny_linear_q4dot", linear_q4dot)
+_register_q4_op("skinny_linear_q4q8", linear_q4q8)
 
 
 @torch.library.custom_op("eaglespec::attend_rows", mutates_args=())

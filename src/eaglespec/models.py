@@ -173,6 +173,9 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         packed = device == "cpu" and quantize in (None, "none") and dtype == torch.float32 and kernels.available()
     if quantize == "bf16" and (device != "cpu" or not kernels.available()):
         raise EaglespecError("quantize='bf16' needs eaglespec's kernels (device cpu, x86-64 with AVX-512 or AVX2)")
+    if quantize == "int4-q8" and (device != "cpu" or not kernels.q4q8_available()):
+        raise EaglespecError("quantize='int4-q8' needs eaglespec's AVX512-VNNI kernel (device cpu, a CPU with "
+                             "avx512_vnni); quantize='int4' runs wherever AVX-512 or AVX2 does")
     if quantize in ("bf16-dot", "int4-dot") and (device != "cpu" or not kernels.bf16dot_available()):
         raise EaglespecError(f"quantize={quantize!r} needs eaglespec's AVX512-BF16 kernel (device cpu, a CPU with "
                              f"avx512_bf16); quantize={quantize[:4]!r} runs wherever AVX-512 or AVX2 does")

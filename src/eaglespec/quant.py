@@ -68,7 +68,12 @@ class Int4Linear(nn.Module):
     decoding them one by one.
     """
 
-    dot = False  # Int4DotLinear: bf16-rounded inputs (kernels.linear_q4dot)
+    # the kernel and its packing (availability looked up per call: tests patch it); subclasses round or
+    # quantize the input inside theirs
+    spec_kind, kind_name, code_offset = "q4", "int4", 0
+    pack, kernel = staticmethod(kernels.pack_q4), staticmethod(kernels.linear_q4)
+    needs = staticmethod(lambda: kernels.available())
+    half_scales = False  # Int4Q8Linear: scale and minimum in fp16, as GGUF's Q4_1 keeps them
 
     def __init__(self, linear: nn.Linear, group_size: int = 32, keep_weight: bool = True):
         super().__init__()
@@ -80,16 +85,18 @@ class Int4Linear(nn.Module):
         g = w.view(n, k // group_size, group_size)
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15).clamp_min(1e-8)
+        if self.half_scales:  # codes for the rounded scale and minimum (fp16's smallest normal at least)
+            scale, lo = scale.clamp_min(2.0 ** -14).half().float(), lo.half().float()
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
         fits = kernels.fits_q4(n, k) and group_size == kernels.GROUP
-        self.skinny = fits and (kernels.bf16dot_available() if self.dot else kernels.available())
-        if self.dot and not self.skinny:
-            raise EaglespecError(f"int4-dot needs eaglespec's AVX512-BF16 kernel and a {n} x {k} layer in whole "
-                                 f"blocks of {kernels.BLOCK} outputs and {kernels.GROUP} inputs")
+        self.skinny = fits and self.needs()
+        if self.spec_kind != "q4" and not self.skinny:
+            raise EaglespecError(f"{self.kind_name} needs eaglespec's {self.cpu_feature} kernel and a {n} x {k} layer "
+                                 f"in whole blocks of {kernels.BLOCK} outputs and {kernels.GROUP} inputs")
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self._q = q.to(torch.uint8) if keep_weight else None
         if self.skinny:  # the dot kernel's minimum is stored shifted: minimum - 128 * scale
-            codes, sp, mp = (kernels.pack_q4dot if self.dot else kernels.pack_q4)(q, scale, lo)
+            codes, sp, mp = self.pack(q, scale, lo)
             self.register_buffer("codes", codes)
             self.register_buffer("scale", sp)
             self.register_buffer("minimum", mp)
@@ -114,8 +121,8 @@ class Int4Linear(nn.Module):
         ids = ids.to(self._q.device)
         q = self._q[ids].view(ids.numel(), -1, self.group_size).float()
         if self.skinny:  # (N/32, K/g, 32) -> (N, K/g, 1)
-            s, m = (t.transpose(1, 2).reshape(self.out_features, -1, 1)[ids] for t in (self.scale, self.minimum))
-            w = torch.addcmul(m, q + 128 if self.dot else q, s)  # q * s + m, one rounding, as the q4 kernel's fma
+            s, m = (t.transpose(1, 2).reshape(self.out_features, -1, 1)[ids].float() for t in (self.scale, self.minimum))
+            w = torch.addcmul(m, q + self.code_offset, s)  # q * s + m, one rounding, as the q4 kernel's fma
         else:
             sz = self.scales_and_zeros.float().transpose(0, 1)[ids]  # (n, K/g, 2)
             w = (q - 8) * sz[..., :1] + sz[..., 1:]
@@ -126,14 +133,14 @@ class Int4Linear(nn.Module):
         if not self.skinny:
             return None
         codes, sp, mp, bias = self._operands
-        return kernels.LinearSpec("q4dot" if self.dot else "q4", codes.shape[1], self.out_features, (codes, sp, mp), bias)
+        k = codes.shape[1] * (4 if self.spec_kind == "q4q8" else 1)  # q4q8's codes count quads of inputs
+        return kernels.LinearSpec(self.spec_kind, k, self.out_features, (codes, sp, mp), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.skinny:
             x2 = x.reshape(-1, shape[-1])
-            kernel = kernels.linear_q4dot if self.dot else kernels.linear_q4
-            y = kernel(x2 if x2.dtype == torch.float32 else x2.float(), *self._operands)
+            y = self.kernel(x2 if x2.dtype == torch.float32 else x2.float(), *self._operands)
             return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group_size, self.scales_and_zeros)
@@ -150,7 +157,22 @@ class Int4DotLinear(Int4Linear):
     applied once per group of 32 inputs. A one-token step streams int4's bytes with little
     arithmetic, and a tree's rows share the unpacking. Rows are summed alike whatever their number."""
 
-    dot = True
+    spec_kind, kind_name, code_offset, cpu_feature = "q4dot", "int4-dot", 128, "AVX512-BF16"
+    pack, kernel = staticmethod(kernels.pack_q4dot), staticmethod(kernels.linear_q4dot)
+    needs = staticmethod(lambda: kernels.bf16dot_available())
+
+
+class Int4Q8Linear(Int4Linear):
+    """int4 weights (`Int4Linear`'s codes, scales and minima) and the input quantized to int8 per group
+    of 32 (`kernels.linear_q4q8`, AVX512-VNNI), as llama.cpp's Q4 x Q8 CPU path does: VPDPBUSD sums
+    the codes against the int8 input exactly in int32, four products per lane per instruction (twice
+    int4-dot's multiply-adds), and the scales come in once per group. Scale and minimum are fp16 (a
+    step streams 0.625 bytes per weight, not int4-dot's 0.75). Rows are quantized and summed alike
+    whatever their number."""
+
+    spec_kind, kind_name, cpu_feature, half_scales = "q4q8", "int4-q8", "AVX512-VNNI", True
+    pack, kernel = staticmethod(kernels.pack_q4q8), staticmethod(kernels.linear_q4q8)
+    needs = staticmethod(lambda: kernels.q4q8_available())
 
 
 class Bf16Linear(nn.Module):
@@ -329,24 +351,25 @@ def int4_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot", "int4-dot")
+QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot", "int4-dot", "int4-q8")
 
 
 def fastest_quantizer() -> str:
-    """The fastest lossless CPU target measured (BENCHMARKS.md): int4-dot where AVX512-BF16 runs it, else int4."""
-    return "int4-dot" if kernels.bf16dot_available() else "int4"
+    """The fastest lossless CPU target measured (BENCHMARKS.md): int4-q8 where AVX512-VNNI runs it, else
+    int4-dot where AVX512-BF16 does, else int4."""
+    return "int4-q8" if kernels.q4q8_available() else "int4-dot" if kernels.bf16dot_available() else "int4"
 
 
 def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True, fuse: bool = True) -> nn.Module:
     """Replace the decoder's linear layers (and the LM head) by `Int8Linear`, `Int4Linear`, `Bf16Linear`,
-    `Bf16DotLinear` or `Int4DotLinear` (`kind` = one of QUANTIZERS), in place.
+    `Bf16DotLinear`, `Int4DotLinear` or `Int4Q8Linear` (`kind` = one of QUANTIZERS), in place.
 
     The input embedding stays as it is (a lookup reads one row, not the whole matrix), so a tied
     LM head gets its own quantized copy. ``fuse``: `eager_fast_paths` (q/k/v and gate/up as one
     matmul each, fast norms, lean layers; a model for `torch.compile` keeps them apart).
     """
-    make = dict(zip(QUANTIZERS, (Int8Linear, Int4Linear, Bf16Linear, Bf16DotLinear, Int4DotLinear)))[kind]
-    inner = partial(make, keep_weight=False) if kind in ("int4", "int4-dot") else make  # nothing reads decoder weights
+    make = dict(zip(QUANTIZERS, (Int8Linear, Int4Linear, Bf16Linear, Bf16DotLinear, Int4DotLinear, Int4Q8Linear)))[kind]
+    inner = partial(make, keep_weight=False) if kind.startswith("int4") else make  # nothing reads decoder weights
     decoder = model.get_decoder()
     if kind != "int8" and fuse:
         eager_fast_paths(decoder, inner)
@@ -355,8 +378,8 @@ def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True,
         model.set_output_embeddings(make(model.get_output_embeddings()))
         model.config.tie_word_embeddings = False  # stop transformers re-tying it to the embedding
     torch_int4 = kind == "int4" and not all(m.skinny for m in model.modules() if isinstance(m, Int4Linear))
-    if torch_int4 or kind.endswith("-dot"):
-        # bf16 activations (torch's int4 kernel) or inputs rounded to bf16 (the -dot kinds) turn attention's
+    if torch_int4 or kind.endswith("-dot") or kind == "int4-q8":
+        # bf16 activations (torch's int4 kernel) or inputs rounded to bf16 (the -dot kinds) or int8 turn attention's
         # ~1e-7 differences between a tree and a step into whole bf16 ulps: row-exact attention
         from .attention import register
 

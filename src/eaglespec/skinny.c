@@ -234,6 +234,92 @@ void skinny_linear_bf16dot_f32(const float *x, long M, long K, const unsigned in
 }
 #endif
 
+#ifdef __AVX512VNNI__
+/* The int4 x int8 variant (VPDPBUSD), int4-q8: each row of x is quantized per group of 32 inputs to
+ * int8, as llama.cpp quantizes activations for its Q4 weights: d = max|x| / 127, xq = round(x / d).
+ * The codes q (0..15, unsigned) are summed against xq exactly in int32, four products per lane per
+ * instruction (twice VDPBF16PS's), then y += (s * d) * sum + m * (d * sum of xq) per group in fp32,
+ * which is y = w @ (d * xq) with w = q * s + m. qp (N / 32, K / 4, 64) bytes: byte 4j + t of quad
+ * step p holds input 4p + t of column j in its low nibble and of column 16 + j in its high one;
+ * sp, mp (N / 32, K / 32, 32) fp16 scale and minimum (GGUF Q4_1's). Two weight vectors cost 3 integer
+ * instructions from 64 bytes (int4-dot: 4 from 32). Every row is quantized and summed alike
+ * whatever the row count, so a tree row is a decode step's. K % 32 == 0. */
+#define MRB 6
+#define HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))  /* 16 fp16 -> 16 floats, exactly */
+static inline void block_q4q8(int mr, const signed char *xq, const float *xd, const float *xs, long K,
+                              const unsigned char *qp, const unsigned short *sp, const unsigned short *mp, float *y,
+                              long ldy, const float *bias) {
+    __m512 acc[MRB][2];
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const long G = K / 32;
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+#define STEPS_Q4Q8(R)                                                                         \
+    for (long g = 0; g < G; g++) {                                                            \
+        __m512i is[R][2];                                                                     \
+        for (int i = 0; i < (R); i++) is[i][0] = is[i][1] = _mm512_setzero_si512();           \
+        for (long p = g * 8; p < g * 8 + 8; p++) {                                            \
+            _mm_prefetch((const char *)(qp + (p + PFD) * 64), _MM_HINT_T0);                   \
+            __m512i b = _mm512_loadu_si512((const void *)(qp + p * 64));                      \
+            __m512i w0 = _mm512_and_si512(b, low);                                            \
+            __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);                      \
+            _Pragma("GCC unroll 6") for (int i = 0; i < (R); i++) {                           \
+                int quad;                                                                     \
+                memcpy(&quad, xq + i * K + p * 4, 4);                                         \
+                __m512i xb = _mm512_set1_epi32(quad);                                         \
+                is[i][0] = _mm512_dpbusd_epi32(is[i][0], w0, xb);                             \
+                is[i][1] = _mm512_dpbusd_epi32(is[i][1], w1, xb);                             \
+            }                                                                                 \
+        }                                                                                     \
+        __m512 s0 = HALF(sp + g * NR), s1 = HALF(sp + g * NR + 16);                             \
+        __m512 m0 = HALF(mp + g * NR), m1 = HALF(mp + g * NR + 16);                             \
+        _Pragma("GCC unroll 6") for (int i = 0; i < (R); i++) {                               \
+            __m512 d = _mm512_set1_ps(xd[i * G + g]), sx = _mm512_set1_ps(xs[i * G + g]);     \
+            acc[i][0] = _mm512_fmadd_ps(sx, m0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][0]), _mm512_mul_ps(s0, d), acc[i][0])); \
+            acc[i][1] = _mm512_fmadd_ps(sx, m1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][1]), _mm512_mul_ps(s1, d), acc[i][1])); \
+        }                                                                                     \
+    }
+    switch (mr) {
+        case 1: STEPS_Q4Q8(1) break; case 2: STEPS_Q4Q8(2) break; case 3: STEPS_Q4Q8(3) break;
+        case 4: STEPS_Q4Q8(4) break; case 5: STEPS_Q4Q8(5) break; default: STEPS_Q4Q8(MRB) break;
+    }
+    store(mr, acc, y, ldy, bias);
+}
+
+/* x (M, K) fp32 -> per group of 32: int8 codes, d and d * (sum of the codes). VCVTPS2DQ rounds to
+ * nearest even, as nearbyintf; |x / d| <= 127 up to a rounding, which the saturating narrowing keeps. */
+static void quantize_q8(const float *x, long M, long K, signed char *xq, float *xd, float *xs) {
+    for (long i = 0; i < M * (K / 32); i++) {
+        __m512 a = _mm512_loadu_ps(x + i * 32), b = _mm512_loadu_ps(x + i * 32 + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        float d = amax / 127.0f, id = amax > 0.0f && amax <= 3.4e38f ? 127.0f / amax : 0.0f;
+        __m512 vid = _mm512_set1_ps(id);
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vid));
+        _mm_storeu_si128((__m128i *)(xq + i * 32), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(xq + i * 32 + 16), _mm512_cvtsepi32_epi8(qb));
+        xd[i] = d;
+        xs[i] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
+void skinny_linear_q4q8(const float *x, long M, long K, const unsigned char *qp, const unsigned short *sp,
+                        const unsigned short *mp, long N, const float *bias, float *y, int threads) {
+    long blocks = N / NR, G = K / 32;
+    signed char *xq = (signed char *)malloc(M * K + 64);
+    float *xd = (float *)malloc(sizeof(float) * (2 * M * G + 2)), *xs = xd + M * G + 1;
+    quantize_q8(x, M, K, xq, xd, xs);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        for (long m0 = 0; m0 < M; m0 += MRB) {
+            int mr = (M - m0) < MRB ? (int)(M - m0) : MRB;
+            block_q4q8(mr, xq + m0 * K, xd + m0 * G, xs + m0 * G, K, qp + b * K * 16, sp + b * G * NR,
+                       mp + b * G * NR, y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);
+        }
+    }
+    free(xq);
+    free(xd);
+}
+#endif
+
 /* The 4-bit variant. qp: (N / 32, K, 16) bytes, byte j of step k holding column j in its low
  * nibble and column 16 + j in its high one; sp, mp: (N / 32, K / 32, 32) fp32 scale and minimum,
  * w = q * scale + minimum (one fused rounding, the same for every row count). K % 32 == 0.
@@ -388,7 +474,7 @@ typedef struct {
     float eps, scale;
 } layer_t;
 
-enum { LIN_F32, LIN_BF16, LIN_Q4, LIN_BF16DOT, LIN_Q4DOT };
+enum { LIN_F32, LIN_BF16, LIN_Q4, LIN_BF16DOT, LIN_Q4DOT, LIN_Q4Q8 };
 
 static void run_linear(const lin_t *l, const float *x, long M, float *y, int threads) {
     switch (l->kind) {
@@ -405,6 +491,12 @@ static void run_linear(const lin_t *l, const float *x, long M, float *y, int thr
         case LIN_Q4DOT:
             skinny_linear_q4dot_f32(x, M, l->K, (const unsigned char *)l->w0, (const float *)l->w1,
                                     (const float *)l->w2, l->N, l->bias, y, threads);
+            break;
+#endif
+#ifdef __AVX512VNNI__
+        case LIN_Q4Q8:
+            skinny_linear_q4q8(x, M, l->K, (const unsigned char *)l->w0, (const unsigned short *)l->w1,
+                               (const unsigned short *)l->w2, l->N, l->bias, y, threads);
             break;
 #endif
     }

@@ -406,6 +406,8 @@ def report_markdown(result: dict) -> str:
         packed = f" (eaglespec's bf16 kernel{', AVX2' if (cfg.get('packed_kernel') or '').endswith('avx2') else ''})"
     elif cfg.get("quantize") in ("bf16-dot", "int4-dot"):
         packed = " (bf16 inputs too: eaglespec's AVX512-BF16 kernel)"
+    elif cfg.get("quantize") == "int4-q8":
+        packed = " (int8 inputs per 32: eaglespec's AVX512-VNNI kernel)"
     vocab = {"full": " (full draft vocabulary)", "head": " (the head's draft vocabulary, no context tokens)"}.get(
         cfg.get("draft_vocab"), "")
     lines = [f"# eaglespec benchmark", "",
