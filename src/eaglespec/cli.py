@@ -33,9 +33,10 @@ COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 m
                 "nothing from it (BENCHMARKS.md section 7)")
 QUANT_HELP = ("int8 | int4 | bf16: weight-only quantized target (every method, vanilla included, runs the same "
               "quantized model; int4 and bf16 run on eaglespec's kernels); bf16-dot / int4-dot: bf16 / int4 weights and "
-              "bf16-rounded inputs to each linear layer (CPUs with AVX512-BF16; cheaper trees than bf16 / int4; "
-              "int4-dot is the fastest here); int4-q8: int4 weights and inputs quantized to int8 per 32, as "
-              "llama.cpp's Q4 x Q8 (CPUs with AVX512-VNNI); fastest: int4-dot where the CPU has AVX512-BF16, else int4")
+              "bf16-rounded inputs to each linear layer (CPUs with AVX512-BF16; cheaper trees than bf16 / int4); "
+              "int4-q8: int4 weights and inputs quantized to int8 per 32, as "
+              "llama.cpp's Q4 x Q8 (CPUs with AVX512-VNNI; the fastest here); fastest: int4-q8 where the CPU has "
+              "AVX512-VNNI, else int4-dot where it has AVX512-BF16, else int4")
 DRAFT_VOCAB_HELP = ("context (default): the tokens the head was trained to propose (the shipped SmolLM2 head: the "
                     "16k most frequent) plus those of the prompt and the text so far; head: the trained ones only; "
                     "full: every target token, with no retraining. Shipped head, MT-bench: tau 3.012 with context "

@@ -7,7 +7,8 @@ can afford. `skinny.c` streams each weight once whatever the row count (up to ~1
 slower for one row: `linear` for fp32 weights (`quant.PackedLinear`), `linear_q4` for 4-bit ones
 (`quant.Int4Linear`), `linear_bf16` for bf16 ones (`quant.Bf16Linear`), and with AVX512-BF16
 `linear_bf16dot` / `linear_q4dot` for bf16 / 4-bit weights and bf16-rounded inputs
-(`quant.Bf16DotLinear`, `quant.Int4DotLinear`). Also `attend_rows`, row-exact attention.
+(`quant.Bf16DotLinear`, `quant.Int4DotLinear`), and with AVX512-VNNI `linear_q4q8` for 4-bit weights
+and int8-quantized inputs (`quant.Int4Q8Linear`). Also `attend_rows`, row-exact attention.
 
 The shared library is compiled once per machine into ``$EAGLESPEC_CACHE/kernels`` (about half a
 second with gcc), named by a hash of the source and flags, written atomically. Where it cannot be

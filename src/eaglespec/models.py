@@ -148,8 +148,9 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     ``quantize="int8"`` / ``"int4"``: weight-only int8 / int4 linear layers; ``"bf16"``: weight-only bf16
     (`eaglespec.quant.Bf16Linear`, eaglespec's kernels); ``"bf16-dot"``: bf16 weights and bf16-rounded
     inputs to every linear layer (`eaglespec.quant.Bf16DotLinear`, CPUs with AVX512-BF16); ``"int4-dot"``:
-    int4 weights and bf16-rounded inputs (`eaglespec.quant.Int4DotLinear`, the same CPUs); ``"fastest"``:
-    int4-dot where the CPU runs it, else int4 (`eaglespec.quant.fastest_quantizer`; the model's
+    int4 weights and bf16-rounded inputs (`eaglespec.quant.Int4DotLinear`, the same CPUs); ``"int4-q8"``:
+    int4 weights and int8 inputs per 32 (`eaglespec.quant.Int4Q8Linear`, CPUs with AVX512-VNNI);
+    ``"fastest"``: int4-q8, int4-dot or int4, the first the CPU runs (`eaglespec.quant.fastest_quantizer`; the model's
     ``config.eaglespec_quantization`` names the kind chosen);
     ``packed=True``: fp32 linear layers with weights pre-packed for a CPU kernel that streams them once
     for a whole draft tree (`eaglespec.kernels` with AVX-512 or AVX2, else oneDNN; see

@@ -1,11 +1,13 @@
 """Faster linear layers for a CPU target: weight-only int8 / int4 (gpt-fast's paths) and bf16, bf16 or
-int4 weights with bf16-rounded inputs (bf16-dot, int4-dot), and fp32 pre-packing.
+int4 weights with bf16-rounded inputs (bf16-dot, int4-dot), int4 weights with int8 inputs (int4-q8),
+and fp32 pre-packing.
 
 Decoding a small model on a CPU streams every weight once per forward; int8 weights stream a
 quarter of fp32's bytes, int4 an eighth, bf16 half. Activations stay in the model's dtype (the -dot
-kinds round each linear layer's input to bf16 inside the kernel, nothing else). A quantized target is its own
-vanilla: EAGLE stays lossless with respect to the target as it runs, and the benchmark's vanilla
-uses the same quantized target, so speedup ratios stay honest.
+kinds round each linear layer's input to bf16 inside the kernel, int4-q8 quantizes it to int8 per 32,
+nothing else). A quantized target is its own vanilla: EAGLE stays lossless with respect to the
+target as it runs, and the benchmark's vanilla uses the same quantized target, so speedup ratios
+stay honest.
 """
 
 from __future__ import annotations
