@@ -200,7 +200,6 @@ class EagleDraftHead(nn.Module):
         position_ids: torch.Tensor,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # (B, 1, T, past + T) float, None = causal
         cache: Any = None,
-        plan: tuple[torch.Tensor, ...] | None = None,  # `attention.pack_plan` of the mask, if known
     ) -> torch.Tensor:
         """Predicted next features f_hat_{j+1}, shape (B, T, H)."""
         lean = self._lean and not torch.is_grad_enabled()
@@ -222,13 +221,14 @@ class EagleDraftHead(nn.Module):
                 aux = nn.functional.rms_norm(aux, (self.hidden_size,))
             h = h + self.fuse(aux.flatten(-2))
         b, t = tokens.shape
+        plan = None
         if attention_mask is None:
             past = cache.get_seq_length() if cache is not None else 0
             allowed = torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past)
             attention_mask = float_mask(allowed, h.dtype)
             if lean and b * t <= attention.MAX_EXACT_ROWS:
                 plan = attention.pack_plan(None, b, t, past + t)  # causal: no mask to read
-        extra = {"eaglespec_plan": plan} if plan is not None and lean else {}
+        extra = {"eaglespec_plan": plan} if plan is not None else {}
         cos_sin = rope(self.rotary, h, position_ids)
         for layer in self.layers:
             out = layer(

@@ -76,6 +76,7 @@ class Int4Linear(nn.Module):
     pack, kernel = staticmethod(kernels.pack_q4), staticmethod(kernels.linear_q4)
     needs = staticmethod(lambda: kernels.available())
     half_scales = False  # Int4Q8Linear: scale and minimum in fp16, as GGUF's Q4_1 keeps them
+    inputs_per_step = 1  # inputs per packed k step as the C layer counts K (int4-q8 packs quads)
 
     def __init__(self, linear: nn.Linear, group_size: int = 32, keep_weight: bool = True):
         super().__init__()
@@ -135,8 +136,8 @@ class Int4Linear(nn.Module):
         if not self.skinny:
             return None
         codes, sp, mp, bias = self._operands
-        k = codes.shape[1] * (4 if self.spec_kind == "q4q8" else 1)  # q4q8's codes count quads of inputs
-        return kernels.LinearSpec(self.spec_kind, k, self.out_features, (codes, sp, mp), bias)
+        return kernels.LinearSpec(self.spec_kind, codes.shape[1] * self.inputs_per_step, self.out_features,
+                                  (codes, sp, mp), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -165,14 +166,14 @@ class Int4DotLinear(Int4Linear):
 
 
 class Int4Q8Linear(Int4Linear):
-    """int4 weights (`Int4Linear`'s codes, scales and minima) and the input quantized to int8 per group
-    of 32 (`kernels.linear_q4q8`, AVX512-VNNI), as llama.cpp's Q4 x Q8 CPU path does: VPDPBUSD sums
+    """int4 weights (`Int4Linear`'s form, its scale and minimum in fp16) and the input quantized to int8
+    per group of 32 (`kernels.linear_q4q8`, AVX512-VNNI), as llama.cpp's Q4 x Q8 CPU path does: VPDPBUSD sums
     the codes against the int8 input exactly in int32, four products per lane per instruction (twice
     int4-dot's multiply-adds), and the scales come in once per group. Scale and minimum are fp16 (a
     step streams 0.625 bytes per weight, not int4-dot's 0.75). Rows are quantized and summed alike
     whatever their number."""
 
-    spec_kind, kind_name, cpu_feature, half_scales = "q4q8", "int4-q8", "AVX512-VNNI", True
+    spec_kind, kind_name, cpu_feature, half_scales, inputs_per_step = "q4q8", "int4-q8", "AVX512-VNNI", True, 4
     pack, kernel = staticmethod(kernels.pack_q4q8), staticmethod(kernels.linear_q4q8)
     needs = staticmethod(lambda: kernels.q4q8_available())
 
