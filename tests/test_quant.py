@@ -218,6 +218,20 @@ def test_dot_kernels_round_inputs_as_torch_does():
         kernels.linear_bf16dot(x.to(torch.bfloat16), Bf16DotLinear(lin).packed)
 
 
+def assert_input_kernel(q: torch.nn.Module, x: torch.Tensor, want: torch.Tensor, w: torch.Tensor) -> None:
+    """A kernel that rounds or quantizes its input (40 x 96 -> 160): `want` to fp32 rounding, not the
+    exact product (the input really changed), and at every row count (across the passes of 6 rows)
+    each row's bits those of the row computed alone."""
+    with torch.no_grad():
+        y = q(x)
+        torch.testing.assert_close(y.double(), want, atol=2e-5, rtol=1e-5)
+        assert (y.double() - (x.double() @ w.T)).abs().max() > 1e-3
+        alone = torch.cat([q(x[i:i + 1]) for i in range(40)])
+        for m in [1, 2, 5, 6, 7, 13, 40]:
+            assert torch.equal(q(x[:m]), alone[:m])
+        assert torch.equal(q(x.view(5, 8, 96)).view(40, 160), y)
+
+
 @needs_bf16dot
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4dot_kernel_sums_rounded_inputs_and_int4_weights_and_each_row_alone(bias):
@@ -235,14 +249,7 @@ def test_int4dot_kernel_sums_rounded_inputs_and_int4_weights_and_each_row_alone(
     torch.testing.assert_close(q.weight.double(), w, atol=1e-6, rtol=0)  # 128 + q, shifted minimum: the same weight
     x = torch.randn(40, 96)
     want = x.to(torch.bfloat16).double() @ w.T + (0 if lin.bias is None else lin.bias.detach().double())
-    with torch.no_grad():
-        y = q(x)
-        torch.testing.assert_close(y.double(), want, atol=2e-5, rtol=1e-5)
-        assert (y.double() - (x.double() @ w.T)).abs().max() > 1e-3  # the input really was rounded
-        alone = torch.cat([q(x[i:i + 1]) for i in range(40)])
-        for m in [1, 2, 5, 6, 7, 13, 40]:
-            assert torch.equal(q(x[:m]), alone[:m])
-        assert torch.equal(q(x.view(5, 8, 96)).view(40, 160), y)
+    assert_input_kernel(q, x, want, w)
     with pytest.raises(EaglespecError, match="int4-dot needs"):
         Int4DotLinear(torch.nn.Linear(64, 40))  # outputs not in blocks of 32
 
@@ -273,14 +280,7 @@ def test_int4q8_kernel_sums_int8_inputs_and_int4_weights_and_each_row_alone(bias
     xq = torch.round(g * torch.where(amax > 0, 127.0 / amax, 0.0)).clamp(-127, 127)
     xhat = (xq * (amax / 127.0)).view(40, 96)
     want = xhat.double() @ w.T + (0 if lin.bias is None else lin.bias.detach().double())
-    with torch.no_grad():
-        y = q(x)
-        torch.testing.assert_close(y.double(), want, atol=2e-5, rtol=1e-5)
-        assert (y.double() - (x.double() @ w.T)).abs().max() > 1e-3  # the input really was quantized
-        alone = torch.cat([q(x[i:i + 1]) for i in range(40)])
-        for m in [1, 2, 5, 6, 7, 13, 40]:
-            assert torch.equal(q(x[:m]), alone[:m])
-        assert torch.equal(q(x.view(5, 8, 96)).view(40, 160), y)
+    assert_input_kernel(q, x, want, w)
     with pytest.raises(EaglespecError, match="int4-q8 needs"):
         Int4Q8Linear(torch.nn.Linear(64, 40))  # outputs not in blocks of 32
 
