@@ -732,7 +732,8 @@ def test_load_target_packs_by_default_exactly_where_the_skinny_kernel_runs(tiny_
 
 @needs_skinny
 @pytest.mark.parametrize("quantize", ["none", "int4", "bf16", pytest.param("bf16-dot", marks=needs_bf16dot),
-                                      pytest.param("int4-dot", marks=needs_bf16dot)])
+                                      pytest.param("int4-dot", marks=needs_bf16dot),
+                                      pytest.param("int4-q8", marks=needs_q4q8)])
 def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_dirs, quantize):
     """`--compile` with eaglespec's kernels (custom ops to inductor): EAGLE equals that model's own
     vanilla, and the kernels really ran inside the compiled graphs."""
@@ -740,7 +741,7 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
 
     from eaglespec import kernels
     from eaglespec.models import compile_decoder, load_target
-    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, PackedLinear
+    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, Int4Q8Linear, PackedLinear
 
     torch._dynamo.reset()
     try:
@@ -754,7 +755,7 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
             model, _ = load_target(str(tiny_dirs / "model"), compile=True)
             head = good_head(model)
         kind = {"none": PackedLinear, "int4": Int4Linear, "bf16": Bf16Linear, "bf16-dot": Bf16DotLinear,
-                "int4-dot": Int4DotLinear}[quantize]
+                "int4-dot": Int4DotLinear, "int4-q8": Int4Q8Linear}[quantize]
         assert all(getattr(m, "skinny", True) for m in model.modules() if isinstance(m, kind)) and any(
             isinstance(m, kind) for m in model.model.layers.modules())
         before = torch._dynamo.utils.counters["frames"]["ok"]
