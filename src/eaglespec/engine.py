@@ -18,7 +18,7 @@ from . import attention, lean
 from .cache import KVCache
 from .errors import EaglespecError
 from .head import EagleDraftHead
-from .kernels import bf16dot_available, q4q8_available
+from .kernels import bf16dot_available
 from .models import HiddenStateTap
 from .costmodel import CostProfile, CostWatch, DraftGate, load_or_measure
 from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, parse_spec, paths_of,
@@ -137,7 +137,7 @@ class Engine:
             # bf16 ones' draft LM head streamed 19 MB per level; BENCHMARKS section 1), its draft LM
             # head int4-q8 where AVX512-VNNI runs it (-8 % draft time, tau the same), else the target's
             # own kind; `head.pack(...)` before the engine keeps another choice
-            self.head.pack(("int4-q8" if q4q8_available() else "int4-dot") if bf16dot_available() else
+            self.head.pack("int4-q8" if bf16dot_available() else
                            quant if quant in ("int4", "bf16", "bf16-dot", "int4-dot") else "packed")
         tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (batch 1)
         spec = parse_spec(tree)

@@ -103,7 +103,7 @@ class EagleDraftHead(nn.Module):
         self.context_vocab = False
         self._ctx_ids: torch.Tensor | None = None  # d2t, then the target ids added from the context
         self._w_ctx: torch.Tensor | None = None  # their LM-head rows
-        self._known: torch.Tensor | None = None  # (vocab,) bool: in d2t or added
+        self._known: set[int] | None = None  # target ids in d2t or added
         self.metadata: dict[str, Any] = {}
 
     # -- binding to the target ------------------------------------------------------------------
@@ -153,21 +153,13 @@ class EagleDraftHead(nn.Module):
         if not self.context_vocab or self.d2t is None or tokens.numel() == 0:
             return
         if self._known is None:
-            self._known = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.d2t.device)
-            self._known[self.d2t] = True
-            self._known_ids = set(self.d2t.tolist())
-        if tokens.numel() <= 64:  # a round's few tokens: skip unique() and the mask (~0.1 ms a round)
-            new = [t for t in set(tokens.flatten().tolist()) if t not in self._known_ids]
-            if not new:
-                return
-            new = torch.tensor(sorted(new), device=self._known.device)
-        else:
-            t = tokens.to(self._known.device).flatten().unique()
-            new = t[~self._known[t]]
-            if new.numel() == 0:
-                return
-        self._known[new] = True
-        self._known_ids.update(new.tolist())
+            self._known = set(self.d2t.tolist())
+        # a Python set, not unique() and a mask: a round adds a few tokens (~0.1 ms a round saved)
+        new = sorted(set(tokens.flatten().tolist()) - self._known)
+        if not new:
+            return
+        self._known.update(new)
+        new = torch.tensor(new, device=self.d2t.device)
         rows = self._lm_rows(new)
         self._ctx_ids = torch.cat([self.d2t if self._ctx_ids is None else self._ctx_ids, new])
         self._w_ctx = rows if self._w_ctx is None else torch.cat([self._w_ctx, rows])
@@ -301,21 +293,24 @@ class EagleDraftHead(nn.Module):
     def pack(self, kind: str = "packed") -> "EagleDraftHead":
         """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
         "packed" = fp32 pre-packed (`quant.PackedLinear`), "int4" = `quant.Int4Linear`, "bf16" =
-        `quant.Bf16Linear`, "bf16-dot" = `quant.Bf16DotLinear`, "int4-dot" = `quant.Int4DotLinear`. A draft
-        is any distribution we can sample from, so a quantized head stays lossless."""
+        `quant.Bf16Linear`, "bf16-dot" = `quant.Bf16DotLinear`, "int4-dot" = `quant.Int4DotLinear`,
+        "int4-q8" = int4-dot with a `quant.Int4Q8Linear` draft LM head (int4-dot where AVX512-VNNI is
+        missing). A draft is any distribution we can sample from, so a quantized head stays lossless."""
         from .kernels import BLOCK, available as kernels_available, bf16dot_available, fits_q4, q4q8_available
         from .quant import (Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, Int4Q8Linear, PackedLinear,
                             eager_fast_paths, int4_available, packed_linear_available, replace_linears)
 
         if next(self.parameters()).device.type != "cpu" or self.kernels is not None:
             return self  # packed once: the first choice stays
+        if kind == "int4-q8" and not q4q8_available():
+            kind = "int4-dot"
         self.kernels = kind
         fits: Callable[[nn.Linear], bool] = lambda m: True
         if kind == "int4" and int4_available():
             make = partial(Int4Linear, keep_weight=False)
         elif kind in ("bf16", "bf16-dot", "int4-dot", "int4-q8") and kernels_available():
-            # int4-dot: the head's own layers in bf16-dot (trained in fp32, not made for 4 bits); its
-            # draft LM head, rows of the target's, in int4-dot below
+            # int4-dot / int4-q8: the head's own layers in bf16-dot (trained in fp32, not made for 4
+            # bits); its draft LM head, rows of the target's, in int4-dot / int4-q8 below
             make = Bf16DotLinear if kind != "bf16" and bf16dot_available() else Bf16Linear
             if make is Bf16Linear:
                 self.kernels = "bf16"
@@ -337,8 +332,7 @@ class EagleDraftHead(nn.Module):
             lin = nn.Linear(self._w_draft.shape[1], self._w_draft.shape[0], bias=False)
             lin.weight = nn.Parameter(self._w_draft.float(), requires_grad=False)
             if kind in ("int4-dot", "int4-q8") and make is Bf16DotLinear and fits_q4(*lin.weight.shape):
-                make = partial(Int4Q8Linear if kind == "int4-q8" and q4q8_available() else Int4DotLinear,
-                               keep_weight=False)
+                make = partial(Int4Q8Linear if kind == "int4-q8" else Int4DotLinear, keep_weight=False)
             # the bf16 kernels want whole blocks of rows; a draft vocabulary need not have them
             self._packed_draft = (PackedLinear if make in (Bf16Linear, Bf16DotLinear) and lin.out_features % BLOCK else make)(lin)
         return self
