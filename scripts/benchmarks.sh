@@ -4,7 +4,8 @@
 set -euo pipefail
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
 STAGES=${STAGES:-"profile ablation ablation-int4-dot compile main int4 int4-t1 bf16 bf16-dot int4-dot int4-q8 batch tau"}
-N=${N:-3}            # questions per dataset in the main table (2 CPU cores: ~20 min at N=3)
+N=${N:-8}            # questions per dataset in the main tables
+SPREAD=${SPREAD:---spread}  # N questions spaced evenly over each set (MT-bench: one per category); SPREAD= for the first N
 TREE=${TREE:-auto+lookup}  # the eagle row of the main table: the best tree of the ablation, plus prompt-lookup grafts
 TREE4=${TREE4:-auto+lookup}  # the same for the int4 target (its own ablation)
 BATCH_TREE=${BATCH_TREE:-chain:1}  # batches need a static tree
@@ -57,7 +58,7 @@ for stage in $STAGES; do
         --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto,eagle@auto+lookup --out "$OUT/ablation-int4-dot" ;;
     main)      # all four datasets, T=0 and T=1, every peer
       K=$(fp32_kernels)
-      eaglespec bench $K --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only --temperature 0,1 --tree "$TREE" \
+      eaglespec bench $K --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" $SPREAD --first-turn-only --temperature 0,1 --tree "$TREE" \
         --methods vanilla,hf,pld,eagle,eagle@auto,eagle@chain:1,llamacpp,llamacpp-pld --out "$OUT/main" ;;
     compile)   # the torch.compile'd fp32 target (its own vanilla) on the ablation's questions; cold compile included once
       eaglespec bench --compile --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree auto \
@@ -67,25 +68,25 @@ for stage in $STAGES; do
       eaglespec bench $K --dataset mt_bench --first-turn-only --limit 4 --temperature 0 --tree "$BATCH_TREE" \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch" ;;
     int4)      # the fast target: weight-only int4 (its own vanilla), all four datasets, against llama.cpp
-      eaglespec bench --quantize int4 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+      eaglespec bench --quantize int4 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" $SPREAD --first-turn-only \
         --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,pld,eagle,eagle@auto,llamacpp --out "$OUT/int4" ;;
     int4-t1)   # T = 1 on the int4 target: auto (a sampled dynamic tree) vs chain:1 (one sampled draft)
       eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 1 --tree auto \
         --methods vanilla,eagle,eagle@chain:1 --out "$OUT/int4-t1" ;;
     bf16)      # weight-only bf16 (its own vanilla): half fp32's bytes, fp32 arithmetic; all four datasets, T=0
-      eaglespec bench --quantize bf16 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+      eaglespec bench --quantize bf16 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" $SPREAD --first-turn-only \
         --temperature 0 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,llamacpp --out "$OUT/bf16" ;;
     bf16-dot)  # bf16 weights and bf16-rounded linear inputs (AVX512-BF16; its own vanilla): cheaper trees than bf16
-      eaglespec bench --quantize bf16-dot --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+      eaglespec bench --quantize bf16-dot --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" $SPREAD --first-turn-only \
         --temperature 0 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,llamacpp --out "$OUT/bf16-dot" ;;
     int4-dot)  # int4 weights and bf16-rounded linear inputs (AVX512-BF16; its own vanilla): int4's bytes, bf16-dot's trees
-      eaglespec bench --quantize int4-dot --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+      eaglespec bench --quantize int4-dot --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" $SPREAD --first-turn-only \
         --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,llamacpp --out "$OUT/int4-dot" ;;
     int4-q8)   # int4 weights and int8 inputs per 32 (AVX512-VNNI; its own vanilla): llama.cpp's Q4 x Q8 arithmetic
-      eaglespec bench --quantize int4-q8 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+      eaglespec bench --quantize int4-q8 --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" $SPREAD --first-turn-only \
         --temperature 0,1 --tree "$TREE4" --methods vanilla,hf,eagle,eagle@auto,eagle@chain:1,llamacpp --out "$OUT/int4-q8" ;;
     int4-dot-compile)  # the same, torch.compile'd (cold compilation included in the process, not in the numbers)
-      eaglespec bench --quantize int4-dot --compile --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" --first-turn-only \
+      eaglespec bench --quantize int4-dot --compile --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$N" $SPREAD --first-turn-only \
         --temperature 0 --tree "$TREE4" --methods vanilla,eagle,eagle@auto,llamacpp --out "$OUT/int4-dot-compile" ;;
     int8)      # weight-only int8 (slower than fp32 on this CPU: not in the default stages)
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \

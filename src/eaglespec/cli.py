@@ -183,7 +183,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     _add_head(p)
     p.add_argument("--dataset", default="mt_bench", help="comma list: mt_bench,humaneval,gsm8k,alpaca or FILE.jsonl")
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None, help="this many questions per set (the first ones)")
+    p.add_argument("--spread", action="store_true",
+                   help="--limit's questions spaced evenly over each set (MT-bench: every category), not its first")
     p.add_argument("--temperature", default="0", help="comma list, e.g. 0,1")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="vanilla,eagle,eagle-chain,hf,pld",
@@ -449,8 +451,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise EaglespecError(f"no draft head for {a.model}: pass --head or drop the eagle methods")
     if a.max_new_tokens < 1:
         raise EaglespecError("--max-new-tokens must be >= 1")
+    if a.limit is not None and a.limit < 1:
+        raise EaglespecError("--limit must be >= 1")
     cfg = BenchConfig(model=a.model, head=head, draft_vocab=a.draft_vocab, datasets=tuple(a.dataset.split(",")),
-                      limit=a.limit, temperatures=temps, max_new_tokens=a.max_new_tokens, methods=methods, tree=a.tree,
+                      limit=a.limit, spread=a.spread, temperatures=temps, max_new_tokens=a.max_new_tokens, methods=methods, tree=a.tree,
                       chain=a.chain, seed=a.seed, out=a.out, first_turn_only=a.first_turn_only,
                       batch_sizes=batch_sizes, quantize=a.quantize, packed=a.packed, compile=a.compile)
     result = run_bench(cfg)

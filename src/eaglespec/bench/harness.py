@@ -80,6 +80,7 @@ class BenchConfig:
     draft_vocab: str = "context"  # which tokens the head may propose (EagleDraftHead.from_pretrained)
     datasets: tuple[str, ...] = ("mt_bench",)
     limit: int | None = None
+    spread: bool = False  # limit's questions spaced evenly over the set, not its first ones
     temperatures: tuple[float, ...] = (0.0,)
     max_new_tokens: int = 128
     methods: tuple[str, ...] = ("vanilla", "eagle", "hf")
@@ -241,7 +242,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         for m in set(runnable) - set(methods):
             skipped[f"{m}@T={temp}"] = GREEDY_ONLY[m]
         for ds in cfg.datasets:
-            questions = load_questions(ds, cfg.limit)
+            questions = load_questions(ds, cfg.limit, cfg.spread)
             bar = tqdm(questions, desc=f"{ds} T={temp}", unit="q", dynamic_ncols=True)
             tok_done, t_done = 0, 0.0
             for qi, q in enumerate(bar):
@@ -352,7 +353,14 @@ def summarize(records: list[dict], cfg: BenchConfig) -> list[dict]:
         def per_q(rs):
             return {(r["question_id"], r["turn"]): r["new_tokens"] / r["time_s"] for r in rs if r["time_s"] > 0}
 
+        def decode_tps(rs):  # after the prefill (which made the first token): None where it is not timed
+            if not rs or any("prefill_time_s" not in r for r in rs):
+                return None
+            t = sum(r["time_s"] - r["prefill_time_s"] for r in rs)
+            return sum(r["new_tokens"] - 1 for r in rs) / t if t > 0 else None
+
         base_v, base_h = tps(by_method.get("vanilla", [])), tps(by_method.get("hf", []))
+        base_d = decode_tps(by_method.get("vanilla", []))
         pq_v = per_q(by_method.get("vanilla", []))
         for m, rs in by_method.items():
             if not rs:
@@ -362,6 +370,8 @@ def summarize(records: list[dict], cfg: BenchConfig) -> list[dict]:
                    "tokens_per_s": tps(rs)}
             row["speedup_vs_vanilla"] = row["tokens_per_s"] / base_v if base_v else None
             row["speedup_vs_hf"] = row["tokens_per_s"] / base_h if base_h else None
+            d = decode_tps(rs)
+            row["decode_speedup_vs_vanilla"] = d / base_d if d and base_d else None  # the prompt's share left out
             ratios = [v / pq_v[k] for k, v in per_q(rs).items() if k in pq_v and pq_v[k] > 0]
             row["median_ratio_vs_vanilla"] = statistics.median(ratios) if ratios else None
             if "rounds" in rs[0]:
@@ -412,14 +422,14 @@ def report_markdown(result: dict) -> str:
         cfg.get("draft_vocab"), "")
     lines = [f"# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`{vocab}, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
-             f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}, target weights: "
+             f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}{' (spread)' if cfg.get('spread') else ''}, target weights: "
              f"{cfg.get('quantize') if cfg.get('quantize') in QUANTIZERS else 'fp32'}{packed}{', torch.compile' if cfg.get('compile') else ''}",
              f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
              f"transformers {mach['transformers']}; {mach['date']}", ""]
     for (ds, temp) in sorted({(r["dataset"], r["temperature"]) for r in result["summary"]}):
         lines += [f"## {ds}, temperature {temp}", "",
-                  "| method | tok/s | speedup vs vanilla | vs hf | median per-question | tau | 0-α | 1-α | 2-α | 3-α | 4-α | draft / verify / other | tokens | greedy = vanilla |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | tok/s | speedup vs vanilla | vs hf | median per-question | after prefill | tau | 0-α | 1-α | 2-α | 3-α | 4-α | draft / verify / other | tokens | greedy = vanilla |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["summary"]:
             if r["dataset"] != ds or r["temperature"] != temp:
                 continue
@@ -428,7 +438,8 @@ def report_markdown(result: dict) -> str:
             split_s = "/".join(_f(split[k], pct=True) for k in ("draft", "verify", "other")) if split else "n/a"
             eq = {True: "yes", False: "**NO**", None: "n/a"}[r["greedy_equal"]]
             lines.append(f"| {r['method']} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup_vs_vanilla'], unit='x')} | "
-                         f"{_f(r['speedup_vs_hf'], unit='x')} | {_f(r['median_ratio_vs_vanilla'], unit='x')} | {_f(r.get('tau'))} | "
+                         f"{_f(r['speedup_vs_hf'], unit='x')} | {_f(r['median_ratio_vs_vanilla'], unit='x')} | "
+                         f"{_f(r.get('decode_speedup_vs_vanilla'), unit='x')} | {_f(r.get('tau'))} | "
                          + " | ".join(_f(a) for a in na[:5]) + f" | {split_s} | {r['new_tokens']} | {eq} |")
         lines.append("")
     if result.get("batch_summary"):
