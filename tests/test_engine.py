@@ -502,6 +502,33 @@ def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
     assert_law(lambda s: eng.generate(ids, 3, sampling=sp, seed=s).token_ids, law, V, 4000)
 
 
+def test_rounds_that_feed_the_heads_backlog_count_at_the_models_cost():
+    """The first round (the prompt) and a probe after plain steps feed the head every token since its
+    last draft; the gate sees their modelled cost (seconds 0), the other rounds their clock time."""
+    from eaglespec.costmodel import DraftGate
+
+    class Recording(DraftGate):
+        def __init__(self, profile):
+            super().__init__(profile)
+            self.turn, self.seen = 0, []
+
+        def draft(self) -> bool:
+            self.turn += 1
+            return self.turn not in (3, 4)  # draft, draft, plain, plain, draft, draft, ...
+
+        def observe(self, tokens, levels, nodes, seconds=0.0):
+            self.seen.append(seconds)
+            super().observe(tokens, levels, nodes, seconds)
+
+    V, model, head, sp = law_setup()
+    eng = Engine(model, head, tree="dynamic:3,3,0", costs=synthetic_costs(0.0, 0.0))
+    eng._gate = Recording(eng.costs)
+    out = eng.generate([2, 5, 3], 12, sampling=SamplingParams(), seed=0)
+    assert out.stats.plain_steps == 2 and len(eng._gate.seen) >= 4
+    assert eng._gate.seen[0] == 0 and eng._gate.seen[1] > 0  # the prompt's round, then a timed one
+    assert eng._gate.seen[2] == 0 and all(s > 0 for s in eng._gate.seen[3:])  # the probe, then timed ones
+
+
 def test_sampling_law_with_plain_steps_between_drafted_rounds():
     """`DraftGate` may turn any round of an `auto` tree into a plain step (vanilla's draw) and back:
     the law of the output stays the target's. A scripted gate: draft, plain, plain, draft, ..."""

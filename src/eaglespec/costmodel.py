@@ -218,7 +218,9 @@ class DraftGate:
     step: the gate leans to drafting; once plain steps ran, their own clock time counts the same way
     (at least verify(1), up to twice it). Both sides are then timed alike: a curve measured while
     the host ran fast (session 35: 13.4 ms for an fp32 step that then took ~18) no longer makes plain
-    steps look cheaper than the drafted rounds timed beside them. Decayed sums
+    steps look cheaper than the drafted rounds timed beside them. A round that first feeds the head a
+    backlog (the prompt, or the tokens of the plain steps before a probe) counts at the model's cost:
+    its clock pays for the pause, and would keep the gate shut (the Engine passes 0 s). Decayed sums
     over drafted rounds; once `warmup` are in and they lose, the next `pause` rounds are plain steps
     (vanilla's: lossless as ever), then one drafted round probes again. A probe that still loses
     doubles the pause (up to `max_pause`), one that wins resets it."""

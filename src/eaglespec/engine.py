@@ -342,6 +342,7 @@ class Engine:
             return r.index, new, r.reason
 
         yield [emit(r, [r.root]) for r in rows]
+        drafted_last = False  # whether the head drafted last round (else it has a backlog to feed)
         while True:
             events = []
             for r in rows:
@@ -382,9 +383,14 @@ class Engine:
                 cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
             tc = self._clock()
             if gate is not None and use_tree:
-                gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n, tc - ta)
+                # the first round and a probe after plain steps also feed the head every token since its
+                # last draft (the prompt, the plain steps'): a cost of pausing, not of drafting, that would
+                # keep the gate shut; those rounds count at the model's cost
+                gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n,
+                             tc - ta if drafted_last else 0.0)
             elif gate is not None:
                 gate.observe_plain(tc - ta)
+            drafted_last = use_tree
             if self._watch is not None and use_tree and self._watch.observe(cur.n, tc - tb):
                 self.costs = load_or_measure(self, fresh=True)
                 self._watch.replace(self.costs)

@@ -267,14 +267,17 @@ def linear_q4dot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shif
                 (codes, scale, shifted_min), bias, pairs=True)
 
 
+Q4Q8_STEP = 4  # inputs per packed k step of the q4q8 kernel (VPDPBUSD sums quads)
+
+
 def pack_q4q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Codes q (N, K) in 0..15 and per-group scale, minimum (N, K / 32) -> skinny_linear_q4q8's layout:
     (N / 32, K / 4, 64) bytes (byte 4j + t of quad step p: input 4p + t of column j in the low nibble, of
     column 16 + j in the high one), the scale and minimum as (N / 32, K / 32, 32) fp16."""
     n, k = q.shape
-    blocks = q.to(torch.uint8).reshape(n // BLOCK, BLOCK, k // 4, 4).transpose(1, 2)  # (N/32, K/4, 32, 4)
+    blocks = q.to(torch.uint8).reshape(n // BLOCK, BLOCK, k // Q4Q8_STEP, Q4Q8_STEP).transpose(1, 2)  # (N/32, K/4, 32, 4)
     half = BLOCK // 2
-    codes = (blocks[:, :, :half] | (blocks[:, :, half:] << 4)).reshape(n // BLOCK, k // 4, 2 * BLOCK).contiguous()
+    codes = (blocks[:, :, :half] | (blocks[:, :, half:] << 4)).reshape(n // BLOCK, k // Q4Q8_STEP, 2 * BLOCK).contiguous()
     return codes, _per_block(scale).half(), _per_block(minimum).half()
 
 
@@ -285,7 +288,7 @@ def linear_q4q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minim
     against the codes in int32 (VPDPBUSD) and scaled per group in fp32."""
     if torch.compiler.is_compiling():
         return torch.ops.eaglespec.skinny_linear_q4q8(x, codes, scale, minimum, bias)
-    return _run(_lib().skinny_linear_q4q8, x, codes.shape[1] * 4, codes.shape[0] * BLOCK, (codes, scale, minimum),
+    return _run(_lib().skinny_linear_q4q8, x, codes.shape[1] * Q4Q8_STEP, codes.shape[0] * BLOCK, (codes, scale, minimum),
                 bias)
 
 

@@ -173,7 +173,8 @@ class Int4Q8Linear(Int4Linear):
     step streams 0.625 bytes per weight, not int4-dot's 0.75). Rows are quantized and summed alike
     whatever their number."""
 
-    spec_kind, kind_name, cpu_feature, half_scales, inputs_per_step = "q4q8", "int4-q8", "AVX512-VNNI", True, 4
+    spec_kind, kind_name, cpu_feature, half_scales = "q4q8", "int4-q8", "AVX512-VNNI", True
+    inputs_per_step = kernels.Q4Q8_STEP
     pack, kernel = staticmethod(kernels.pack_q4q8), staticmethod(kernels.linear_q4q8)
     needs = staticmethod(lambda: kernels.q4q8_available())
 
