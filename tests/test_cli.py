@@ -217,7 +217,9 @@ def test_serve_subprocess_answers_and_stops(tiny_dirs):
 
     p = subprocess.Popen([sys.executable, "-m", "eaglespec.cli", "serve", "--model", str(tiny_dirs / "model"),
                           "--head", str(tiny_dirs / "head"), "--port", "0", "--model-id", "tiny"],
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         # a background shell's children ignore SIGINT, and so would the server
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = p.stderr.readline()
         assert line.startswith("eaglespec: serving tiny (eagle, tree paper) at http://127.0.0.1:"), line

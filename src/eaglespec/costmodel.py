@@ -263,7 +263,8 @@ class DraftGate:
         self.drafted += 1
         if self.drafted < self.warmup:
             return
-        if self.rate() <= self.plain_rate():  # a tie (a round that drafted nothing) is a plain step
+        # a tie (a round that drafted nothing), to rounding, is a plain step
+        if self.rate() <= self.plain_rate() * (1 + 1e-9):
             self.skip, self.pause = self.pause, min(2 * self.pause, self.max_pause)
         else:
             self.pause = self.base

@@ -385,9 +385,10 @@ class Engine:
             if gate is not None and use_tree:
                 # the first round and a probe after plain steps also feed the head every token since its
                 # last draft (the prompt, the plain steps'): a cost of pausing, not of drafting, that would
-                # keep the gate shut; those rounds count at the model's cost
+                # keep the gate shut; those rounds count at the model's cost (one that drafted nothing is
+                # a plain step, timed as one)
                 gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n,
-                             tc - ta if drafted_last else 0.0)
+                             tc - ta if drafted_last or cur.n == 1 else 0.0)
             elif gate is not None:
                 gate.observe_plain(tc - ta)
             drafted_last = use_tree
