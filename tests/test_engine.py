@@ -92,35 +92,77 @@ def test_auto_tree_greedy_equals_hf(tiny_pair, per_token, level):
         assert max(eag.stats.accept_lengths) == 1  # verifying any draft costs more than it can gain
 
 
+def plain_until_probe(gate, seconds: float = 1.0) -> int:
+    """Plain steps (each timed at `seconds`) until the gate drafts again."""
+    n = 0
+    while not gate.draft():
+        gate.observe_plain(seconds)
+        n += 1
+    return n
+
+
 def test_draft_gate_pauses_drafting_that_loses_and_probes_again():
     from eaglespec.costmodel import DraftGate
 
-    prof = CostProfile([1, 2, 8], [1.0, 1.5, 4.5], 0.25, 0, {})  # plain step: 1 token per second
+    prof = CostProfile([1, 2, 8], [1.0, 1.5, 4.5], 0.25, 0, {})  # the curve's plain step: 1 token per second
     gate = DraftGate(prof, warmup=4, pause=4, max_pause=16)
-    for _ in range(4):  # 2 tokens from 2 levels and 2 nodes: 2 / (0.5 + 1.5) = 1 token/s ... and a bit less
+    assert gate.rate() == float("inf") and gate.plain_rate() == 1.0
+    for _ in range(4):  # 2 tokens in 2.25 s (3 levels, 2 nodes, timed as modelled): a loss, judged from the 4th
         assert gate.draft()
-        gate.observe(2, 3, 2)  # 2 / 2.25: loses, but judged only from the fourth on
-    assert [gate.draft() for _ in range(5)] == [False] * 4 + [True]  # four plain steps, then a probe
-    gate.observe(2, 3, 2)  # the probe loses: a longer pause
-    assert [gate.draft() for _ in range(9)] == [False] * 8 + [True]
-    for _ in range(3):
-        gate.observe(6, 2, 8)  # deep acceptance on a big tree: 6 / 5.0 per round, winning back
+        gate.observe(2, 3, 2, 2.25)
+    assert plain_until_probe(gate) == 4  # four plain steps, then a probe
+    gate.observe(2, 3, 2, 2.25, backlog=True)  # the probe loses: a longer pause
+    assert plain_until_probe(gate) == 8  # each plain step also fades the rounds that shut the gate
+    gate.observe(6, 2, 8, 5.0, backlog=True)  # deep acceptance on a big tree: 6 tokens in 5 s
     assert gate.rate() > 1.0 and gate.pause == 4 and all(gate.draft() for _ in range(5))
-    assert DraftGate(prof).rate() == float("inf")
-    for seconds, closes in ((0.5, False), (3.2, True), (1000.0, True)):  # modelled: 1.75 s for 3 tokens, a win
-        timed = DraftGate(prof, warmup=1)
-        timed.observe(3, 1, 2, seconds=seconds)  # the longer of model and clock counts, up to twice the model
-        assert timed.draft() != closes and timed.cost == min(max(1.75, seconds), 3.5)
-    for plain_s, reopens in ((0.2, False), (1.0, False), (1.8, True)):  # plain steps timed alike, at least the model
-        gate = DraftGate(prof, warmup=1, pause=2)
-        gate.observe(2, 3, 2)  # 2 / 2.25 tokens/s: loses to the curve's plain step (1 token/s)
-        assert [gate.draft() for _ in range(2)] == [False, False]
-        for _ in range(2):
-            gate.observe_plain(plain_s)
-        assert gate.plain_rate() == pytest.approx(1 / min(max(1.0, plain_s), 2.0))
-        assert gate.draft()  # the probe
-        gate.observe(2, 3, 2)  # the same round again: a win only where plain steps really took longer
-        assert gate.draft() == reopens
+
+
+def test_draft_gate_times_both_sides_by_the_clock():
+    """Drafted rounds and plain steps count the seconds they took (within 2x of the curve either
+    way), so a curve that overrates the plain step (a busy host when it was measured) cannot keep
+    drafting that really loses; a plain step is timed for real once the warm-up is in, and again
+    every `refresh` drafted rounds."""
+    from eaglespec.costmodel import DraftGate
+
+    prof = CostProfile([1, 2, 8], [1.0, 1.5, 4.5], 0.25, 0, {})
+    for seconds, counted in ((0.5, 0.875), (1.0, 1.0), (2.0, 2.0), (1000.0, 3.5)):  # modelled: 1.75 s
+        gate = DraftGate(prof, warmup=9)
+        gate.observe(3, 1, 2, seconds)
+        assert gate.cost == counted
+    gate = DraftGate(prof, warmup=2, refresh=3)
+    for _ in range(2):
+        assert gate.draft()
+        gate.observe(2, 1, 2, 1.0)  # 2 tokens/s against the curve's 1: a win
+    assert plain_until_probe(gate, 0.6) == 2  # two plain steps, timed: 1.67 tokens/s, a loss to 2
+    assert gate.plain_rate() == pytest.approx(1 / 0.6)
+    gate.observe(2, 1, 2, 1.0)
+    assert gate.draft() and gate.skip == 0
+    gate.observe(2, 1, 2, 1.0)
+    assert gate.draft()
+    gate.observe(2, 1, 2, 1.0)
+    assert not gate.draft()  # three drafted rounds since: one plain step to refresh the rate
+    gate.observe_plain(0.5)  # 2 tokens/s now
+    assert gate.draft()
+    gate.observe(2, 1, 2, 3.0)  # and a slow round tips the decayed sums ...
+    assert gate.rate() < 0.95 * gate.plain_rate()
+    assert not gate.draft() and gate.skip == gate.base - 1  # ... so the gate shuts
+
+
+def test_draft_gate_counts_a_backlog_feed_at_the_heads_usual_cost():
+    """The first round of a prompt and a probe after plain steps first feed the head every token
+    since its last draft: that pause's cost is not drafting's, so the round counts the head's usual
+    feed (the decayed mean of rounds without a backlog; one draft level before any) instead."""
+    from eaglespec.costmodel import DraftGate
+
+    prof = CostProfile([1, 2, 8], [1.0, 1.5, 4.5], 0.25, 0, {})
+    gate = DraftGate(prof, warmup=9)
+    gate.observe(3, 1, 2, 3.0, backlog=True, feed_s=1.25)  # 3.0 - 1.25 + 0.25 (no usual feed yet)
+    assert gate.cost == pytest.approx(2.0)
+    gate.observe(3, 1, 2, 2.0, feed_s=0.5)
+    gate.observe(3, 1, 2, 2.0, feed_s=0.5)
+    before = gate.cost
+    gate.observe(3, 1, 2, 3.0, backlog=True, feed_s=1.5)  # 3.0 - 1.5 + 0.5
+    assert gate.cost == pytest.approx(0.9 * before + 2.0)
 
 
 def test_auto_tree_goes_plain_where_drafting_loses_and_stays_lossless(tiny_pair):
@@ -132,8 +174,8 @@ def test_auto_tree_goes_plain_where_drafting_loses_and_stays_lossless(tiny_pair)
     assert out.stats.plain_steps > 20 and 4 <= out.stats.rounds == len(out.stats.accept_lengths)
     assert len(out.token_ids) == 40 == 1 + sum(out.stats.accept_lengths) + out.stats.plain_steps
     assert out.token_ids == hf_greedy(model, PROMPTS[1], 40)
-    cheap = Engine(model, head, tree="auto", costs=synthetic_costs(0.02, 0.05))  # drafting pays: never plain
-    assert cheap.generate(PROMPTS[1], 40, method="eagle").stats.plain_steps == 0
+    cheap = Engine(model, head, tree="auto", costs=synthetic_costs(0.02, 0.05))  # drafting pays: plain only
+    assert cheap.generate(PROMPTS[1], 40, method="eagle").stats.plain_steps == 4  # to time a plain step
 
 
 def test_auto_tree_measures_and_caches_costs(tiny_pair, tmp_path, monkeypatch):
@@ -328,6 +370,31 @@ def test_prompt_lookup_grafts_stay_lossless(tree, always_draft):
     assert used > 0
 
 
+def test_prompt_lookup_sees_the_tokens_of_plain_steps():
+    """Lookup matches the text as it is: the tokens `DraftGate`'s plain steps emitted are in the
+    history it searches, in order (they were missing, so a probe matched stale text)."""
+    from eaglespec.costmodel import DraftGate
+
+    class Scripted(DraftGate):
+        turn = 0
+
+        def draft(self) -> bool:
+            self.turn += 1
+            return self.turn % 3 == 1  # draft, plain, plain, ...
+
+    model = tiny_target("llama", seed=3)
+    eng = Engine(model, good_head(model), tree="auto+lookup", costs=synthetic_costs(0.02, 0.05))
+    eng._gate = Scripted(eng.costs)
+    seen, graft = [], eng._graft
+    eng._graft = lambda tree, tokens, qs, history, *a: seen.append(list(history)) or graft(tree, tokens, qs, history, *a)
+    ids = PROMPTS[0]
+    out = eng.generate(ids, 30, method="eagle")
+    assert out.stats.plain_steps > 0 and len(seen) > 2
+    for h in seen:
+        assert h == ids + out.token_ids[: len(h) - len(ids)]
+    assert len(seen[-1]) > len(seen[1]) + 2  # the history grew across plain steps
+
+
 def test_lookup_budget_follows_costs_and_acceptance(tiny_pair):
     """`auto` sizes the graft: cheap verification -> the whole chain, dear -> none; misses lower a
     position's rate, and a position no longer proposed drifts back to its prior."""
@@ -502,9 +569,9 @@ def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
     assert_law(lambda s: eng.generate(ids, 3, sampling=sp, seed=s).token_ids, law, V, 4000)
 
 
-def test_rounds_that_feed_the_heads_backlog_count_at_the_models_cost():
-    """The first round (the prompt) and a probe after plain steps feed the head every token since its
-    last draft; the gate sees their modelled cost (seconds 0), the other rounds their clock time."""
+def test_the_engine_tells_the_gate_which_rounds_feed_the_heads_backlog():
+    """The first round (the prompt) and a probe after plain steps feed the head every token since
+    its last draft; the engine says so, with the seconds of that feed, and times every round."""
     from eaglespec.costmodel import DraftGate
 
     class Recording(DraftGate):
@@ -516,17 +583,18 @@ def test_rounds_that_feed_the_heads_backlog_count_at_the_models_cost():
             self.turn += 1
             return self.turn not in (3, 4)  # draft, draft, plain, plain, draft, draft, ...
 
-        def observe(self, tokens, levels, nodes, seconds=0.0):
-            self.seen.append(seconds)
-            super().observe(tokens, levels, nodes, seconds)
+        def observe(self, tokens, levels, nodes, seconds, backlog=False, feed_s=0.0):
+            self.seen.append((backlog, seconds, feed_s))
+            super().observe(tokens, levels, nodes, seconds, backlog, feed_s)
 
     V, model, head, sp = law_setup()
     eng = Engine(model, head, tree="dynamic:3,3,0", costs=synthetic_costs(0.0, 0.0))
     eng._gate = Recording(eng.costs)
     out = eng.generate([2, 5, 3], 12, sampling=SamplingParams(), seed=0)
-    assert out.stats.plain_steps == 2 and len(eng._gate.seen) >= 4
-    assert eng._gate.seen[0] == 0 and eng._gate.seen[1] > 0  # the prompt's round, then a timed one
-    assert eng._gate.seen[2] == 0 and all(s > 0 for s in eng._gate.seen[3:])  # the probe, then timed ones
+    seen = eng._gate.seen
+    assert out.stats.plain_steps == 2 and len(seen) >= 4
+    assert [b for b, _, _ in seen] == [True, False, True] + [False] * (len(seen) - 3)
+    assert all(0 < feed < s for _, s, feed in seen)
 
 
 def test_sampling_law_with_plain_steps_between_drafted_rounds():

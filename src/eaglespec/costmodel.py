@@ -207,64 +207,82 @@ class CostWatch:
         self.profile, self.window, self.ratios = profile, 2 * self.window, []
 
 
+def within_2x(seconds: float, modelled: float) -> float:
+    """A clock time trusted within a factor of two of what the cost curve predicts."""
+    return min(max(seconds, modelled / 2), 2 * modelled)
+
+
 class DraftGate:
     """`auto`'s tree of size zero: no draft at all this round. Where a multi-token forward is
-    arithmetic-bound (int4-dot on 2 cores: 8 tokens cost 2x one), a drafted round may bring fewer
-    tokens per second than a plain step. A drafted round is worth its accepted tokens over its cost:
-    the modelled one (draft levels x draft_level_s + verify(nodes)), or the time it took where that
-    was longer (the model leaves out the round's bookkeeping: sampled drafts' especially), up to
-    twice the model (a process's first rounds pay one-off costs that would shut the gate); a plain
-    step 1 / verify(1), which the curve measures with a mask and full logits, a little above a real
-    step: the gate leans to drafting; once plain steps ran, their own clock time counts the same way
-    (at least verify(1), up to twice it). Both sides are then timed alike: a curve measured while
-    the host ran fast (session 35: 13.4 ms for an fp32 step that then took ~18) no longer makes plain
-    steps look cheaper than the drafted rounds timed beside them. A round that first feeds the head a
-    backlog (the prompt, or the tokens of the plain steps before a probe) counts at the model's cost:
-    its clock pays for the pause, and would keep the gate shut (the Engine passes 0 s). Decayed sums
-    over drafted rounds; once `warmup` are in and they lose, the next `pause` rounds are plain steps
-    (vanilla's: lossless as ever), then one drafted round probes again. A probe that still loses
-    doubles the pause (up to `max_pause`), one that wins resets it."""
+    arithmetic-bound (int4-q8 on 2 cores at T = 1: 1.6 tokens per 5.7 ms round against a 3.1 ms
+    step), a drafted round brings fewer tokens per second than a plain step. Both sides are timed by
+    the clock, from drafting to the end of verification, within 2x of its modelled cost either way
+    (a process's first rounds pay one-off costs): the cost curve is only a guess at them (one
+    measured on a busy host put int4-q8's step at 4.1 ms against 3.1 real, and drafting looked like
+    a win while it lost).
+    So plain steps are measured too: once `warmup` drafted rounds are in, `warmup` plain steps, and
+    one every `refresh` drafted rounds after. A round that first feeds the head a backlog (the
+    prompt, or the plain steps' tokens) pays for the pause, not for drafting: it counts the head's
+    usual feed instead of that one. Decayed sums over drafted rounds; once they lose, the next
+    `pause` rounds are plain steps (vanilla's: lossless as ever), then one drafted round probes
+    again. A probe that still loses doubles the pause (up to `max_pause`), one that wins resets it."""
 
     def __init__(self, profile: CostProfile, decay: float = 0.9, warmup: int = 4, pause: int = 4,
-                 max_pause: int = 32):
+                 max_pause: int = 32, refresh: int = 64, margin: float = 0.95):
         self.profile, self.decay, self.warmup, self.base, self.max_pause = profile, decay, warmup, pause, max_pause
+        self.refresh, self.margin = refresh, margin
         self.tokens = self.cost = 0.0  # decayed sums over drafted rounds
         self.plain_steps = self.plain_cost = 0.0  # and over plain steps
-        self.drafted, self.pause, self.skip = 0, pause, 0
+        self.feed = self.feeds = 0.0  # and the head's feed in rounds without a backlog
+        self.drafted, self.pause, self.skip, self.since_plain = 0, pause, 0, 0
 
     def draft(self) -> bool:
         if self.skip > 0:
             self.skip -= 1
             return False
+        if self.drafted >= self.warmup and (not self.plain_steps or self.since_plain >= self.refresh):
+            self.skip = (self.warmup if not self.plain_steps else 1) - 1
+            return False
         return True
 
     def rate(self) -> float:
-        """Modelled tokens per second of recent drafted rounds."""
+        """Tokens per second of recent drafted rounds."""
         return self.tokens / self.cost if self.cost > 0 else float("inf")
 
     def plain_rate(self) -> float:
-        """Tokens per second of a plain step: the curve's, or recent plain steps' where slower."""
-        one = self.profile.verify(1)
-        return self.plain_steps / self.plain_cost if self.plain_steps else 1.0 / one
+        """Tokens per second of recent plain steps (the curve's step until some ran)."""
+        return self.plain_steps / self.plain_cost if self.plain_steps else 1.0 / self.profile.verify(1)
 
     def observe_plain(self, seconds: float) -> None:
         """A plain step (the gate was shut) and the seconds it took, timed as drafted rounds are."""
         one = self.profile.verify(1)
+        self.since_plain = 0
         self.plain_steps = self.decay * self.plain_steps + 1
-        self.plain_cost = self.decay * self.plain_cost + min(max(one, seconds), 2 * one)
+        self.plain_cost = self.decay * self.plain_cost + within_2x(seconds, one)
+        # the text moves on while the gate is shut: a probe outweighs the rounds that shut it
+        self.tokens, self.cost = self.decay * self.tokens, self.decay * self.cost
 
-    def observe(self, tokens: int, levels: int, nodes: int, seconds: float = 0.0) -> None:
-        """A drafted round: tokens emitted, draft levels run, nodes verified (the root included), and
-        the seconds it took from drafting to the end of verification."""
+    def observe(self, tokens: int, levels: int, nodes: int, seconds: float, backlog: bool = False,
+                feed_s: float = 0.0) -> None:
+        """A drafted round: tokens emitted, draft levels run, nodes verified (the root included), the
+        seconds it took from drafting to the end of verification, whether the head first caught up on
+        a backlog, and the seconds of that feed (the head's first forward)."""
         d = self.decay
+        # the head ran at least once, even where it drafted nothing worth verifying
+        modelled = max(levels, 1) * self.profile.draft_level_s + self.profile.verify(nodes)
+        if backlog:
+            usual = self.feed / self.feeds if self.feeds else self.profile.draft_level_s
+            seconds = seconds - feed_s + usual
+        else:
+            self.feed, self.feeds = d * self.feed + feed_s, d * self.feeds + 1
         self.tokens = d * self.tokens + tokens
-        modelled = levels * self.profile.draft_level_s + self.profile.verify(nodes)
-        self.cost = d * self.cost + min(max(modelled, seconds), 2 * modelled)
+        self.cost = d * self.cost + within_2x(seconds, modelled)
         self.drafted += 1
+        self.since_plain += 1
         if self.drafted < self.warmup:
             return
-        # a tie (a round that drafted nothing), to rounding, is a plain step
-        if self.rate() <= self.plain_rate() * (1 + 1e-9):
+        # switching costs a backlog feed, so drafting that barely loses goes on
+        if self.rate() < self.plain_rate() * self.margin:
             self.skip, self.pause = self.pause, min(2 * self.pause, self.max_pause)
         else:
             self.pause = self.base

@@ -87,7 +87,9 @@ class _Row:
     n_ctx: int  # this row's entries in the target cache (the root is not in it yet)
     root: int  # the last emitted token: the root of the next tree
     stats: GenerationStats
-    pending: tuple[torch.Tensor, list[int]] | None = None  # head inputs not yet in the head's cache
+    # head inputs not yet in the head's cache: feature chunks (joined only when the head drafts: plain
+    # steps would copy the whole backlog each) and their next tokens
+    pending: tuple[list[torch.Tensor], list[int]] | None = None
     head_len: int = 0  # this row's committed entries in the head's cache
     emitted: int = 0
     reason: str | None = None
@@ -319,7 +321,7 @@ class Engine:
         rows = [_Row(b, n, self._choose(last[b], sp, gen), stats[b]) for b, n in enumerate(lens)]
         for r in rows:
             if eagle:  # head inputs (f_j, t_{j+1}) not yet in the head's cache
-                r.pending = (feats[r.index, :r.n_ctx], prompts[r.index][1:] + [r.root])
+                r.pending = ([feats[r.index, :r.n_ctx]], prompts[r.index][1:] + [r.root])
             if lookup:
                 r.history = prompts[r.index] + [r.root]
             r.stats.prefill_time_s = self._clock() - t0
@@ -383,12 +385,8 @@ class Engine:
                 cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
             tc = self._clock()
             if gate is not None and use_tree:
-                # the first round and a probe after plain steps also feed the head every token since its
-                # last draft (the prompt, the plain steps'): a cost of pausing, not of drafting, that would
-                # keep the gate shut; those rounds count at the model's cost (one that drafted nothing is
-                # a plain step, timed as one)
                 gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n,
-                             tc - ta if drafted_last or cur.n == 1 else 0.0)
+                             tc - ta, backlog=not drafted_last, feed_s=self._feed_s)
             elif gate is not None:
                 gate.observe_plain(tc - ta)
             drafted_last = use_tree
@@ -405,7 +403,7 @@ class Engine:
                     feature_sink[r.index].append(feats[b, keep])
                 if eagle:
                     f = feats[b, keep]
-                    r.pending = (f, accepted) if use_tree else (torch.cat([r.pending[0], f]), r.pending[1] + accepted)
+                    r.pending = ([f], accepted) if use_tree else (r.pending[0] + [f], r.pending[1] + accepted)
                 r.root = bonus
                 if eagle and not use_tree:
                     r.stats.plain_steps += 1
@@ -419,6 +417,7 @@ class Engine:
                     tree_h, path_h = drafted, self._head_path(drafted, cur, path)
                     r.stats.lookup_tokens += len(path) - len(path_h)
                     self._calibrate_lookup(cur, path)
+                if lookup:  # plain steps' tokens too: lookup matches the text as it is
                     r.history += accepted
                 if tree_h.n > 1:
                     self._count_alpha(tree_h, path_h, r.stats)
@@ -445,10 +444,10 @@ class Engine:
         B, c = len(rows), max(counts)
         start = head_cache.get_seq_length()
         hl = torch.tensor([r.head_len for r in rows], device=self.device)
-        feats = torch.zeros(B, c, rows[0].pending[0].shape[-1], dtype=self.dtype, device=self.device)
+        feats = torch.zeros(B, c, rows[0].pending[0][0].shape[-1], dtype=self.dtype, device=self.device)
         toks = torch.zeros(B, c, dtype=torch.long, device=self.device)
         for b, r in enumerate(rows):
-            feats[b, : counts[b]] = r.pending[0]
+            torch.cat(r.pending[0], out=feats[b, : counts[b]])
             toks[b, : counts[b]] = torch.tensor(r.pending[1], device=self.device)
             self.head.add_context(toks[b, : counts[b]])
         pos = hl[:, None] + torch.arange(c, device=self.device)
@@ -458,6 +457,7 @@ class Engine:
             causal = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(prefix_tree_mask(causal, start, hl), self.dtype)
         out = self.head(feats, toks, pos, mask, head_cache)
+        self._feed_s = self._clock() - t_round
         root_f = torch.stack([out[b, n - 1 : n] for b, n in enumerate(counts)])  # (B, 1, H)
         if ragged or B > 1:
             head_cache.compact_rows(hl.tolist(), start, [torch.arange(n, device=self.device) for n in counts])
