@@ -144,7 +144,7 @@ def test_draft_gate_times_both_sides_by_the_clock():
     gate.observe_plain(0.5)  # 2 tokens/s now
     assert gate.draft()
     gate.observe(2, 1, 2, 3.0)  # and a slow round tips the decayed sums ...
-    assert gate.rate() < 0.95 * gate.plain_rate()
+    assert gate.rate() < gate.margin * gate.plain_rate()
     assert not gate.draft() and gate.skip == gate.base - 1  # ... so the gate shuts
 
 

@@ -216,19 +216,19 @@ class DraftGate:
     """`auto`'s tree of size zero: no draft at all this round. Where a multi-token forward is
     arithmetic-bound (int4-q8 on 2 cores at T = 1: 1.6 tokens per 5.7 ms round against a 3.1 ms
     step), a drafted round brings fewer tokens per second than a plain step. Both sides are timed by
-    the clock, from drafting to the end of verification, within 2x of its modelled cost either way
-    (a process's first rounds pay one-off costs): the cost curve is only a guess at them (one
-    measured on a busy host put int4-q8's step at 4.1 ms against 3.1 real, and drafting looked like
-    a win while it lost).
-    So plain steps are measured too: once `warmup` drafted rounds are in, `warmup` plain steps, and
-    one every `refresh` drafted rounds after. A round that first feeds the head a backlog (the
+    the clock, from drafting to the end of verification, trusted within 2x of the cost curve either
+    way (a process's first rounds pay one-off costs). The curve alone misleads: one measured on a
+    busy host put int4-q8's step at 4.1 ms against 3.1 real, and drafting looked like a win while it
+    lost. So the gate times plain steps itself: `warmup` of them once `warmup` drafted rounds are
+    in, then one every `refresh` drafted rounds. A round that first feeds the head a backlog (the
     prompt, or the plain steps' tokens) pays for the pause, not for drafting: it counts the head's
-    usual feed instead of that one. Decayed sums over drafted rounds; once they lose, the next
-    `pause` rounds are plain steps (vanilla's: lossless as ever), then one drafted round probes
-    again. A probe that still loses doubles the pause (up to `max_pause`), one that wins resets it."""
+    usual feed instead of that one. Decayed sums; once drafted rounds lose by more than `margin`,
+    the next `pause` rounds are plain steps (vanilla's: lossless as ever), then one drafted round
+    probes again. A probe that still loses doubles the pause (up to `max_pause`), one that wins
+    resets it."""
 
     def __init__(self, profile: CostProfile, decay: float = 0.9, warmup: int = 4, pause: int = 4,
-                 max_pause: int = 32, refresh: int = 64, margin: float = 0.95):
+                 max_pause: int = 32, refresh: int = 64, margin: float = 0.9):
         self.profile, self.decay, self.warmup, self.base, self.max_pause = profile, decay, warmup, pause, max_pause
         self.refresh, self.margin = refresh, margin
         self.tokens = self.cost = 0.0  # decayed sums over drafted rounds
@@ -281,7 +281,7 @@ class DraftGate:
         self.since_plain += 1
         if self.drafted < self.warmup:
             return
-        # switching costs a backlog feed, so drafting that barely loses goes on
+        # switching costs a backlog feed and probes: drafting must lose clearly before the gate shuts
         if self.rate() < self.plain_rate() * self.margin:
             self.skip, self.pause = self.pause, min(2 * self.pause, self.max_pause)
         else:

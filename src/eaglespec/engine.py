@@ -155,6 +155,7 @@ class Engine:
         self.costs = costs  # the machine's cost curve, for `auto` (measured on first use if None)
         self._watch: CostWatch | None = None  # checks a cached curve against real rounds
         self._gate: DraftGate | None = None  # `auto`: no draft while drafted rounds lose to plain steps
+        self._feed_s = 0.0  # this round's head feed (its first forward), for the gate
         self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
         self._calib_rank: list[list[float]] = []  # the same per sibling rank, for sampled trees
         self._predicted_rank: list[float] | None = None
