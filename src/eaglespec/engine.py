@@ -385,17 +385,13 @@ class Engine:
             if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
                 cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
             tc = self._clock()
-            if gate is not None and use_tree:
-                gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n,
-                             tc - ta, backlog=not drafted_last, feed_s=self._feed_s)
-            elif gate is not None:
-                gate.observe_plain(tc - ta)
-            drafted_last = use_tree
+            remeasure = 0.0
             if self._watch is not None and use_tree and self._watch.observe(cur.n, tc - tb):
                 self.costs = load_or_measure(self, fresh=True)
                 self._watch.replace(self.costs)
+                remeasure = self._clock() - tc
                 for r in rows:  # a one-off cost, but not the decoding's: benchmarks leave it out
-                    r.stats.measure_time_s += self._clock() - tc
+                    r.stats.measure_time_s += remeasure
             events = []
             for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
                 r.n_ctx += len(keep)
@@ -425,6 +421,14 @@ class Engine:
                 if use_tree and self.dynamic is not None:
                     self._calibrate(tree_h, path_h)
                 events.append(emit(r, accepted))
+            if gate is not None:  # the whole round, its bookkeeping included: a drafted round's is dearer
+                td = self._clock() - remeasure
+                if use_tree:
+                    gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n,
+                                 td - ta, backlog=not drafted_last, feed_s=self._feed_s)
+                else:
+                    gate.observe_plain(td - ta)
+            drafted_last = use_tree
             yield events
 
     # -- drafting ---------------------------------------------------------------------------------
