@@ -216,8 +216,8 @@ class DraftGate:
     """`auto`'s tree of size zero: no draft at all this round. Where a multi-token forward is
     arithmetic-bound (int4-q8 on 2 cores at T = 1: 1.6 tokens per 5.7 ms round against a 3.1 ms
     step), a drafted round brings fewer tokens per second than a plain step. Both sides are timed by
-    the clock, from drafting to the end of verification, trusted within 2x of the cost curve either
-    way (a process's first rounds pay one-off costs). The curve alone misleads: one measured on a
+    the clock, the whole round with its bookkeeping, trusted within 2x of the cost curve either way
+    (a process's first rounds pay one-off costs). The curve alone misleads: one measured on a
     busy host put int4-q8's step at 4.1 ms against 3.1 real, and drafting looked like a win while it
     lost. So the gate times plain steps itself: `warmup` of them once `warmup` drafted rounds are
     in, then one every `refresh` drafted rounds. A round that first feeds the head a backlog (the
@@ -265,8 +265,8 @@ class DraftGate:
     def observe(self, tokens: int, levels: int, nodes: int, seconds: float, backlog: bool = False,
                 feed_s: float = 0.0) -> None:
         """A drafted round: tokens emitted, draft levels run, nodes verified (the root included), the
-        seconds it took from drafting to the end of verification, whether the head first caught up on
-        a backlog, and the seconds of that feed (the head's first forward)."""
+        seconds it took, whether the head first caught up on a backlog, and the seconds of that feed
+        (the head's first forward)."""
         d = self.decay
         # the head ran at least once, even where it drafted nothing worth verifying
         modelled = max(levels, 1) * self.profile.draft_level_s + self.profile.verify(nodes)
