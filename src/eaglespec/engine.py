@@ -462,7 +462,8 @@ class Engine:
             causal = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(prefix_tree_mask(causal, start, hl), self.dtype)
         out = self.head(feats, toks, pos, mask, head_cache)
-        self._feed_s = self._clock() - t_round
+        if self._gate is not None:  # only the gate reads it; a CUDA clock synchronises
+            self._feed_s = self._clock() - t_round
         root_f = torch.stack([out[b, n - 1 : n] for b, n in enumerate(counts)])  # (B, 1, H)
         if ragged or B > 1:
             head_cache.compact_rows(hl.tolist(), start, [torch.arange(n, device=self.device) for n in counts])
