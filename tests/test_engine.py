@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from eaglespec.cache import KVCache
-from eaglespec.costmodel import CostProfile, CostWatch
+from eaglespec.costmodel import CostProfile, CostWatch, DraftGate
 from eaglespec.engine import Engine
 from eaglespec.errors import EaglespecError
 from eaglespec.head import EagleDraftHead
@@ -92,6 +92,21 @@ def test_auto_tree_greedy_equals_hf(tiny_pair, per_token, level):
         assert max(eag.stats.accept_lengths) == 1  # verifying any draft costs more than it can gain
 
 
+def gate_curve() -> CostProfile:
+    """The gate tests' curve: a plain step 1 s (1 token per second), 2 tokens 1.5 s, 8 tokens 4.5 s,
+    a draft level 0.25 s."""
+    return CostProfile([1, 2, 8], [1.0, 1.5, 4.5], 0.25, 0, {})
+
+
+class EveryThirdRoundDrafts(DraftGate):
+    """A scripted gate: draft, plain, plain, draft, ... (what it observes is still recorded)."""
+    turn = 0
+
+    def draft(self) -> bool:
+        self.turn += 1
+        return self.turn % 3 == 1
+
+
 def plain_until_probe(gate, seconds: float = 1.0) -> int:
     """Plain steps (each timed at `seconds`) until the gate drafts again."""
     n = 0
@@ -102,9 +117,7 @@ def plain_until_probe(gate, seconds: float = 1.0) -> int:
 
 
 def test_draft_gate_pauses_drafting_that_loses_and_probes_again():
-    from eaglespec.costmodel import DraftGate
-
-    prof = CostProfile([1, 2, 8], [1.0, 1.5, 4.5], 0.25, 0, {})  # the curve's plain step: 1 token per second
+    prof = gate_curve()  # the curve's plain step: 1 token per second
     gate = DraftGate(prof, warmup=4, pause=4, max_pause=16)
     assert gate.rate() == float("inf") and gate.plain_rate() == 1.0
     for _ in range(4):  # 2 tokens in 2.25 s (3 levels, 2 nodes, timed as modelled): a loss, judged from the 4th
@@ -122,9 +135,7 @@ def test_draft_gate_times_both_sides_by_the_clock():
     way), so a curve that overrates the plain step (a busy host when it was measured) cannot keep
     drafting that really loses; a plain step is timed for real once the warm-up is in, and again
     every `refresh` drafted rounds."""
-    from eaglespec.costmodel import DraftGate
-
-    prof = CostProfile([1, 2, 8], [1.0, 1.5, 4.5], 0.25, 0, {})
+    prof = gate_curve()
     for seconds, counted in ((0.5, 0.875), (1.0, 1.0), (2.0, 2.0), (1000.0, 3.5)):  # modelled: 1.75 s
         gate = DraftGate(prof, warmup=9)
         gate.observe(3, 1, 2, seconds)
@@ -152,9 +163,7 @@ def test_draft_gate_counts_a_backlog_feed_at_the_heads_usual_cost():
     """The first round of a prompt and a probe after plain steps first feed the head every token
     since its last draft: that pause's cost is not drafting's, so the round counts the head's usual
     feed (the decayed mean of rounds without a backlog; one draft level before any) instead."""
-    from eaglespec.costmodel import DraftGate
-
-    prof = CostProfile([1, 2, 8], [1.0, 1.5, 4.5], 0.25, 0, {})
+    prof = gate_curve()
     gate = DraftGate(prof, warmup=9)
     gate.observe(3, 1, 2, 3.0, backlog=True, feed_s=1.25)  # 3.0 - 1.25 + 0.25 (no usual feed yet)
     assert gate.cost == pytest.approx(2.0)
@@ -347,8 +356,6 @@ def test_sampling_law_with_context_vocabulary():
 @pytest.fixture
 def always_draft(monkeypatch):
     """`auto` drafts every round (no `DraftGate` plain steps): for tests about what drafting does."""
-    from eaglespec.costmodel import DraftGate
-
     monkeypatch.setattr(DraftGate, "draft", lambda self: True)
 
 
@@ -373,18 +380,9 @@ def test_prompt_lookup_grafts_stay_lossless(tree, always_draft):
 def test_prompt_lookup_sees_the_tokens_of_plain_steps():
     """Lookup matches the text as it is: the tokens `DraftGate`'s plain steps emitted are in the
     history it searches, in order (they were missing, so a probe matched stale text)."""
-    from eaglespec.costmodel import DraftGate
-
-    class Scripted(DraftGate):
-        turn = 0
-
-        def draft(self) -> bool:
-            self.turn += 1
-            return self.turn % 3 == 1  # draft, plain, plain, ...
-
     model = tiny_target("llama", seed=3)
     eng = Engine(model, good_head(model), tree="auto+lookup", costs=synthetic_costs(0.02, 0.05))
-    eng._gate = Scripted(eng.costs)
+    eng._gate = EveryThirdRoundDrafts(eng.costs)
     seen, graft = [], eng._graft
     eng._graft = lambda tree, tokens, qs, history, *a: seen.append(list(history)) or graft(tree, tokens, qs, history, *a)
     ids = PROMPTS[0]
@@ -572,8 +570,6 @@ def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
 def test_the_engine_tells_the_gate_which_rounds_feed_the_heads_backlog():
     """The first round (the prompt) and a probe after plain steps feed the head every token since
     its last draft; the engine says so, with the seconds of that feed, and times every round."""
-    from eaglespec.costmodel import DraftGate
-
     class Recording(DraftGate):
         def __init__(self, profile):
             super().__init__(profile)
@@ -600,22 +596,11 @@ def test_the_engine_tells_the_gate_which_rounds_feed_the_heads_backlog():
 def test_sampling_law_with_plain_steps_between_drafted_rounds():
     """`DraftGate` may turn any round of an `auto` tree into a plain step (vanilla's draw) and back:
     the law of the output stays the target's. A scripted gate: draft, plain, plain, draft, ..."""
-    from eaglespec.costmodel import DraftGate
-
-    class Scripted(DraftGate):
-        def __init__(self, profile):
-            super().__init__(profile)
-            self.turn = 0
-
-        def draft(self) -> bool:
-            self.turn += 1
-            return self.turn % 3 == 1
-
     V, model, head, sp = law_setup()
     ids = [2, 5, 3]
     law = exact_three_token_law(model, ids, sp).flatten()
     eng = Engine(model, head, tree="dynamic:3,3,0", costs=synthetic_costs(0.0, 0.0))
-    eng._gate = Scripted(eng.costs)
+    eng._gate = EveryThirdRoundDrafts(eng.costs)
     plain = assert_law_of(eng, ids, sp, law, V, 4000, lambda st: st.plain_steps)
     assert 0 < sum(p > 0 for p in plain) < len(plain)  # both kinds of rounds made first tokens
 
