@@ -127,7 +127,25 @@ def test_draft_gate_pauses_drafting_that_loses_and_probes_again():
     gate.observe(2, 3, 2, 2.25, backlog=True)  # the probe loses: a longer pause
     assert plain_until_probe(gate) == 8  # each plain step also fades the rounds that shut the gate
     gate.observe(6, 2, 8, 5.0, backlog=True)  # deep acceptance on a big tree: 6 tokens in 5 s
-    assert gate.rate() > 1.0 and gate.pause == 4 and all(gate.draft() for _ in range(5))
+    assert gate.rate() > 1.0 and all(gate.draft() for _ in range(5))  # reopened ...
+    assert gate.pause == 8  # ... with the pause halved, not reset: a lucky probe would shut again soon
+    gate.observe(6, 2, 8, 5.0)
+    assert gate.pause == 4
+
+
+def test_draft_gate_judges_a_probe_with_the_rounds_before_it():
+    """One round's tokens are noisy: a probe that merely beats the stay-open bar among rounds that
+    lost does not reopen the gate, however long the pause faded them; a probe must show drafting
+    winning outright."""
+    gate = DraftGate(gate_curve(), warmup=4, pause=4, max_pause=32)
+    for _ in range(4):  # 2 tokens in 2.5 s: 0.8 tokens/s against the plain step's 1
+        gate.observe(2, 3, 2, 2.5)
+    for _ in range(3):  # shut; each probe loses and doubles the pause: 4, 8, 16 plain steps
+        plain_until_probe(gate)
+        gate.observe(2, 3, 2, 2.5, backlog=True)
+    assert plain_until_probe(gate) == 32
+    gate.observe(3, 3, 2, 2.25, backlog=True)  # a lucky probe: 1.33 tokens/s, above the stay-open bar alone
+    assert gate.margin < gate.rate() < 1.0 and gate.shut and plain_until_probe(gate) == 32
 
 
 def test_draft_gate_times_both_sides_by_the_clock():

@@ -214,7 +214,7 @@ def within_2x(seconds: float, modelled: float) -> float:
 
 class DraftGate:
     """`auto`'s tree of size zero: no draft at all this round. Where a multi-token forward is
-    arithmetic-bound (int4-q8 on 2 cores at T = 1: 1.6 tokens per 5.7 ms round against a 3.1 ms
+    arithmetic-bound (int4-q8 on 2 cores at T = 1: 1.7 tokens per 7.7 ms round against a 3.8 ms
     step), a drafted round brings fewer tokens per second than a plain step. Both sides are timed by
     the clock, the whole round with its bookkeeping, trusted within 2x of the cost curve either way
     (a process's first rounds pay one-off costs). The curve alone misleads: one measured on a
@@ -223,15 +223,19 @@ class DraftGate:
     in, then one every `refresh` drafted rounds. A round that first feeds the head a backlog (the
     prompt, or the plain steps' tokens) pays for the pause, not for drafting: it counts the head's
     usual feed instead of that one. Decayed sums; once drafted rounds lose by more than `margin`,
-    the next `pause` rounds are plain steps (vanilla's: lossless as ever), then one drafted round
-    probes again. A probe that still loses doubles the pause (up to `max_pause`), one that wins
-    resets it."""
+    the gate shuts: `pause` plain steps (vanilla's: lossless as ever), then one drafted round probes
+    again. A round's tokens are noisy (at T = 1 one round in five brings twice the mean), so a
+    probe is judged with the rounds before it (plain steps fade them, down to `keep` rounds'
+    weight) and reopens the gate only where drafting wins outright; one that does not doubles the
+    pause (up to `max_pause`). Winning rounds halve it again, down to `pause`: a lucky probe that
+    reopens the gate for a round or two leaves the long pause in place."""
 
     def __init__(self, profile: CostProfile, decay: float = 0.9, warmup: int = 4, pause: int = 4,
-                 max_pause: int = 32, refresh: int = 64, margin: float = 0.9):
+                 max_pause: int = 32, refresh: int = 64, margin: float = 0.9, keep: float = 3.0):
         self.profile, self.decay, self.warmup, self.base, self.max_pause = profile, decay, warmup, pause, max_pause
-        self.refresh, self.margin = refresh, margin
-        self.tokens = self.cost = 0.0  # decayed sums over drafted rounds
+        self.refresh, self.margin, self.keep = refresh, margin, keep
+        self.tokens = self.cost = self.rounds = 0.0  # decayed sums over drafted rounds
+        self.shut = False  # drafting lost: the next drafted round is a probe
         self.plain_steps = self.plain_cost = 0.0  # and over plain steps
         self.feed = self.feeds = 0.0  # and the head's feed in rounds without a backlog
         self.drafted, self.pause, self.skip, self.since_plain = 0, pause, 0, 0
@@ -259,8 +263,10 @@ class DraftGate:
         self.since_plain = 0
         self.plain_steps = self.decay * self.plain_steps + 1
         self.plain_cost = self.decay * self.plain_cost + within_2x(seconds, one)
-        # the text moves on while the gate is shut: a probe outweighs the rounds that shut it
-        self.tokens, self.cost = self.decay * self.tokens, self.decay * self.cost
+        # the text moves on while the gate is shut, so the rounds that shut it fade, but a probe
+        # (one noisy round) is still judged with `keep` rounds' worth of them
+        f = max(self.decay, min(1.0, self.keep / self.rounds)) if self.rounds else 1.0
+        self.tokens, self.cost, self.rounds = f * self.tokens, f * self.cost, f * self.rounds
 
     def observe(self, tokens: int, levels: int, nodes: int, seconds: float, backlog: bool = False,
                 feed_s: float = 0.0) -> None:
@@ -277,15 +283,17 @@ class DraftGate:
             self.feed, self.feeds = d * self.feed + feed_s, d * self.feeds + 1
         self.tokens = d * self.tokens + tokens
         self.cost = d * self.cost + within_2x(seconds, modelled)
+        self.rounds = d * self.rounds + 1
         self.drafted += 1
         self.since_plain += 1
         if self.drafted < self.warmup:
             return
-        # switching costs a backlog feed and probes: drafting must lose clearly before the gate shuts
-        if self.rate() < self.plain_rate() * self.margin:
-            self.skip, self.pause = self.pause, min(2 * self.pause, self.max_pause)
+        # switching costs a backlog feed and probes: drafting must lose clearly before the gate
+        # shuts, and win before it reopens
+        if self.rate() < self.plain_rate() * (1.0 if self.shut else self.margin):
+            self.skip, self.pause, self.shut = self.pause, min(2 * self.pause, self.max_pause), True
         else:
-            self.pause = self.base
+            self.pause, self.shut = max(self.base, self.pause // 2), False
 
 
 def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = True,
