@@ -544,6 +544,32 @@ def test_packed_plan_is_the_row_plan():
                 assert pt[po[r]:po[r + 1]].tolist() == ([] if tail is None else tail.tolist())
 
 
+def test_rows_plan_is_the_packed_plan_of_the_tree_mask():
+    """rows_plan builds from a tree's ancestor lists (or a draft level's) the very arrays pack_plan
+    reads from the mask: random trees over random prefixes, a chain (all in the prefix run), a plain step."""
+    import random
+
+    from eaglespec.attention import pack_plan, rows_plan
+    from eaglespec.tree import build_tree, float_mask, prefix_tree_mask
+
+    rng = random.Random(0)
+    specs = ["chain:4", "chain:0", "paper"]
+    for _ in range(60):
+        paths = set()
+        for _ in range(rng.randint(1, 10)):
+            p = []
+            for _ in range(rng.randint(1, 4)):
+                p.append(rng.randint(0, 2))
+                paths.add(tuple(p))
+        specs.append([list(p) for p in paths])
+    for spec in specs:
+        tree, prefix = build_tree(spec), rng.randint(0, 40)
+        mask = float_mask(prefix_tree_mask(tree.ancestor_mask, prefix), torch.float32)
+        want = pack_plan(mask, 1, tree.n, prefix + tree.n)
+        assert all(torch.equal(a, b) for a, b in zip(rows_plan(prefix, tree.ancestors), want)), spec
+        assert tree.ancestor_mask.tolist() == [[j in a for j in range(tree.n)] for a in tree.ancestors]
+
+
 @pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).attention_available(), reason="needs AVX-512")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_engine_plans_exact_attention_once_per_forward_with_the_layers_own_bits(family, monkeypatch):

@@ -98,6 +98,24 @@ def pack_plan(mask: torch.Tensor | None, b: int, m: int, length: int) -> tuple[t
     return rows // m, rows % m, n, offsets, flat if flat.numel() else torch.zeros(1, dtype=torch.long)
 
 
+def rows_plan(prefix: int, seen: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """`pack_plan`'s arrays for one sequence whose m new rows each see the first `prefix` keys and
+    then the new rows `seen[i]` (ascending indices into the m, e.g. a tree node's ancestors and
+    itself): what `pack_plan` reads from that mask, built from the lists (a tree or a draft level
+    knows them) without a mask: ~15 us instead of ~55 on every forward."""
+    n, offsets, flat = [], [0], []
+    for cols in seen:
+        run = 0
+        while run < len(cols) and cols[run] == run:  # the leading run of visible keys
+            run += 1
+        n.append(prefix + run)
+        flat += [prefix + c for c in cols[run:]]
+        offsets.append(len(flat))
+    m = len(seen)
+    return (torch.zeros(m, dtype=torch.long), torch.arange(m), torch.tensor(n, dtype=torch.long),
+            torch.tensor(offsets, dtype=torch.long), torch.tensor(flat or [0], dtype=torch.long))
+
+
 def plan_for(mask: torch.Tensor | None, b: int, m: int, length: int, packed: bool = True) -> tuple | list:
     """`pack_plan` (or with packed=False `_plan`'s rows) of this forward's mask, made by the first
     layer that asks and reused by the others (same mask object, same shape)."""

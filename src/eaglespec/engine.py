@@ -186,14 +186,18 @@ class Engine:
         return self.head.aux_layers if self.head is not None else self.sink_layers
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                 mask: torch.Tensor | None = None, aux: bool = False) -> torch.Tensor:
+                 mask: torch.Tensor | None = None, aux: bool = False,
+                 seen: list[list[int]] | None = None) -> torch.Tensor:
         """Target forward on new tokens x (B, q) -> final-norm hidden states (features), (B, q, H),
-        followed with `aux` by the layers the head fuses (if any), (B, q, H * (1 + k))."""
+        followed with `aux` by the layers the head fuses (if any), (B, q, H * (1 + k)). `seen`: for
+        one sequence, which new rows each row sees after the cache (what `mask` says, as lists)."""
         aux = aux and bool(self.aux_layers)  # vanilla decoding never pays for them
         b, q = x.shape
         plan = {}
         if self._plan_rows and q <= attention.MAX_EXACT_ROWS:
-            plan["eaglespec_plan"] = attention.pack_plan(mask, b, q, cache.get_seq_length() + q)
+            past = cache.get_seq_length()
+            plan["eaglespec_plan"] = (attention.rows_plan(past, seen) if seen is not None and b == 1
+                                      else attention.pack_plan(mask, b, q, past + q))
         out = self.decoder(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
                            use_cache=True, **plan, **self._tap.forward_kwargs(self.aux_layers if aux else []))
         if not aux:
@@ -478,15 +482,17 @@ class Engine:
         return result
 
     def _head_level(self, parent_f: torch.Tensor, tokens: list[list[int]], lens: list[int], depth: int,
-                    allowed: torch.Tensor, head_cache: KVCache) -> torch.Tensor:
+                    allowed: torch.Tensor, head_cache: KVCache, seen: list[list[int]] | None = None) -> torch.Tensor:
         """One head forward over all nodes of one depth, (B, q, H): each row sees its own committed
-        entries and, by tree attention, its nodes' ancestors from earlier levels."""
+        entries and, by tree attention, its nodes' ancestors from earlier levels (`allowed`; for
+        one sequence also as lists, `seen`, which spares the kernels' plan a read of the mask)."""
         toks = torch.tensor(tokens, device=self.device)
         hl = torch.tensor(lens, device=self.device)
         pos = (hl[:, None] + depth - 1).expand(toks.shape)
         ragged = hl if len(set(lens)) > 1 else None
         mask = float_mask(prefix_tree_mask(allowed.to(self.device), max(lens), ragged), self.dtype)
-        return self.head(parent_f, toks, pos, mask, head_cache)
+        plan = attention.rows_plan(lens[0], seen) if seen is not None and len(lens) == 1 and not self._cuda else None
+        return self.head(parent_f, toks, pos, mask, head_cache, plan=plan)
 
     def _grow_static(self, root_f: torch.Tensor, roots: list[int], lens: list[int], head_cache: KVCache,
                      sp: SamplingParams, gen: torch.Generator | None
@@ -530,15 +536,17 @@ class Engine:
         """One head forward over the frontier candidates of a dynamic tree; each sees its ancestors'
         head-cache entries (`slots` lists the candidates with an entry, in cache order)."""
         slots += frontier
-        allowed = torch.zeros(len(frontier), len(slots), dtype=torch.bool)
         col = {c: j for j, c in enumerate(slots)}
-        for r, i in enumerate(frontier):
-            j = i
+        seen = []
+        for i in frontier:
+            cols, j = [], i
             while j >= 0:
-                allowed[r, col[j]] = True
+                cols.append(col[j])
                 j = parents[j]
+            seen.append(sorted(cols))
+        allowed = torch.tensor([[j in cols for j in range(len(slots))] for cols in seen], dtype=torch.bool)
         f = self._head_level(torch.cat([feat[parents[i]] for i in frontier], dim=1),
-                             [[toks[i] for i in frontier]], lens, depth, allowed, head_cache)
+                             [[toks[i] for i in frontier]], lens, depth, allowed, head_cache, seen)
         for r, i in enumerate(frontier):
             feat[i] = f[:, r : r + 1]
         return f
@@ -773,7 +781,8 @@ class Engine:
         if ragged or tree.n > 1:
             mask = float_mask(prefix_tree_mask(tree.ancestor_mask.to(self.device), prefix, n_ctx if ragged else None),
                               self.dtype)
-        feats = self._forward(torch.tensor(node_tokens, device=self.device), positions, cache, mask, aux)
+        feats = self._forward(torch.tensor(node_tokens, device=self.device), positions, cache, mask, aux,
+                              None if ragged else tree.ancestors)
         logits = self.lm_head(feats[..., : self.hidden_size])
         paths, bonuses = [], []
         argmax = logits.argmax(-1).tolist() if sp.greedy else None

@@ -192,6 +192,7 @@ class EagleDraftHead(nn.Module):
         position_ids: torch.Tensor,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # (B, 1, T, past + T) float, None = causal
         cache: Any = None,
+        plan: tuple[torch.Tensor, ...] | None = None,  # attention.rows_plan of the mask, where the caller has it
     ) -> torch.Tensor:
         """Predicted next features f_hat_{j+1}, shape (B, T, H)."""
         lean = self._lean and not torch.is_grad_enabled()
@@ -213,7 +214,8 @@ class EagleDraftHead(nn.Module):
                 aux = nn.functional.rms_norm(aux, (self.hidden_size,))
             h = h + self.fuse(aux.flatten(-2))
         b, t = tokens.shape
-        plan = None
+        if not lean:
+            plan = None
         if attention_mask is None:
             past = cache.get_seq_length() if cache is not None else 0
             allowed = torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past)

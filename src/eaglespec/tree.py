@@ -210,6 +210,7 @@ class TreeBuffers:
     children: list[list[int]]  # child node indices, by rank
     max_depth: int
     ancestor_mask: torch.Tensor  # (n, n) bool: row i sees column j (j is i or an ancestor of i)
+    ancestors: list[list[int]]  # the same as lists: row i's True columns, ascending
     position_offsets: torch.Tensor  # (n,) long: depth of each node, added to the root's position
     retrieve: torch.Tensor  # (leaves, max_depth + 1) long: root-to-leaf node indices, padded with -1
     # Drafting: per level d, which nodes of depth d get a draft-head step (those with children),
@@ -250,23 +251,23 @@ def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
         c.sort(key=lambda i: rank[i])
     max_depth = max(depth)
 
-    mask = torch.zeros(n, n, dtype=torch.bool)
+    # Python lists first, one tensor each: a dynamic tree is built anew every round
+    ancestors: list[list[int]] = []  # per node, the nodes it sees (its ancestors and itself), ascending
     for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parent[j]
-
-    leaves = [i for i in range(n) if not children[i]]
-    retrieve = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        chain_ = []
-        j = leaf
+        chain_, j = [], i
         while j >= 0:
             chain_.append(j)
             j = parent[j]
-        chain_.reverse()
-        retrieve[row, : len(chain_)] = torch.tensor(chain_)
+        ancestors.append(chain_[::-1])
+    rows = [[False] * n for _ in range(n)]
+    for i, seen in enumerate(ancestors):
+        for j in seen:
+            rows[i][j] = True
+    mask = torch.tensor(rows, dtype=torch.bool)
+
+    leaves = [i for i in range(n) if not children[i]]
+    retrieve = torch.tensor([ancestors[leaf] + [-1] * (max_depth + 1 - len(ancestors[leaf])) for leaf in leaves],
+                            dtype=torch.long).reshape(len(leaves), max_depth + 1)
 
     expand_nodes, expand_topk = [], []
     for d in range(max_depth):
@@ -278,7 +279,7 @@ def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
     draft_masks = [torch.zeros(0, 0, dtype=torch.bool)]
     for d in range(1, max_depth):
         slots += expand_nodes[d]
-        draft_masks.append(mask[expand_nodes[d]][:, slots])
+        draft_masks.append(torch.tensor([[rows[i][j] for j in slots] for i in expand_nodes[d]], dtype=torch.bool))
 
     return TreeBuffers(
         paths=all_paths,
@@ -288,6 +289,7 @@ def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
         children=children,
         max_depth=max_depth,
         ancestor_mask=mask,
+        ancestors=ancestors,
         position_offsets=torch.tensor(depth, dtype=torch.long),
         retrieve=retrieve,
         expand_nodes=expand_nodes,
