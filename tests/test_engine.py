@@ -133,6 +133,21 @@ def test_draft_gate_pauses_drafting_that_loses_and_probes_again():
     assert gate.pause == 4
 
 
+def test_a_new_prompt_opens_the_gate_and_keeps_what_a_plain_step_costs(tiny_pair):
+    """Drafting lost on one text: the next prompt still drafts its first round (the gate forgets the
+    drafted rounds, not the plain steps it timed)."""
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="auto", costs=CostProfile([1, 2, 64], [1e-6, 1.0, 2.0], 0.1, 0, {}))
+    eng.generate(PROMPTS[1], 40, method="eagle")
+    gate = eng._gate
+    assert gate.skip > 0 and gate.shut and gate.plain_steps > 0  # shut where drafting loses
+    plain_rate = gate.plain_rate()
+    stream = eng.stream(PROMPTS[0], 40, method="eagle")
+    next(stream)  # the prompt is in
+    assert eng._gate is gate and gate.draft() and not gate.shut and gate.rounds == 0
+    assert gate.plain_rate() == plain_rate
+
+
 def test_draft_gate_judges_a_probe_with_the_rounds_before_it():
     """One round's tokens are noisy: a probe that merely beats the stay-open bar among rounds that
     lost does not reopen the gate, however long the pause faded them; a probe must show drafting

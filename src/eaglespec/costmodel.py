@@ -228,7 +228,8 @@ class DraftGate:
     probe is judged with the rounds before it (plain steps fade them, down to `keep` rounds'
     weight) and reopens the gate only where drafting wins outright; one that does not doubles the
     pause (up to `max_pause`). Winning rounds halve it again, down to `pause`: a lucky probe that
-    reopens the gate for a round or two leaves the long pause in place."""
+    reopens the gate for a round or two leaves the long pause in place. A new prompt opens the gate
+    again (`new_text`): a text where drafting lost says little about the next one."""
 
     def __init__(self, profile: CostProfile, decay: float = 0.9, warmup: int = 4, pause: int = 4,
                  max_pause: int = 32, refresh: int = 64, margin: float = 0.9, keep: float = 3.0):
@@ -239,6 +240,13 @@ class DraftGate:
         self.plain_steps = self.plain_cost = 0.0  # and over plain steps
         self.feed = self.feeds = 0.0  # and the head's feed in rounds without a backlog
         self.drafted, self.pause, self.skip, self.since_plain = 0, pause, 0, 0
+
+    def new_text(self) -> None:
+        """A new prompt: what drafting brought on the last text says little about this one (a poem
+        and a program differ by 2x in acceptance), so its rounds are forgotten and the gate opens;
+        what a plain step and the head's feed cost is kept."""
+        self.tokens = self.cost = self.rounds = 0.0
+        self.pause, self.skip, self.shut = self.base, 0, False
 
     def draft(self) -> bool:
         if self.skip > 0:

@@ -348,6 +348,8 @@ class Engine:
             r.stats.time_s = self._clock() - t0
             return r.index, new, r.reason
 
+        if eagle and self._gate is not None:
+            self._gate.new_text()
         yield [emit(r, [r.root]) for r in rows]
         drafted_last = False  # whether the head drafted last round (else it has a backlog to feed)
         while True:
