@@ -102,7 +102,7 @@ def rows_plan(prefix: int, seen: list[list[int]]) -> tuple[torch.Tensor, ...]:
     """`pack_plan`'s arrays for one sequence whose m new rows each see the first `prefix` keys and
     then the new rows `seen[i]` (ascending indices into the m, e.g. a tree node's ancestors and
     itself): what `pack_plan` reads from that mask, built from the lists (a tree or a draft level
-    knows them) without a mask: ~15 us instead of ~55 on every forward."""
+    knows them) without a mask: ~20 us instead of ~55 on every forward."""
     n, offsets, flat = [], [0], []
     for cols in seen:
         run = 0
