@@ -21,8 +21,8 @@ from .head import EagleDraftHead
 from .kernels import bf16dot_available
 from .models import HiddenStateTap
 from .costmodel import CostProfile, CostWatch, DraftGate, load_or_measure
-from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, parse_spec, paths_of,
-                   plan_children, prefix_tree_mask, prompt_lookup, select_nodes, split_lookup)
+from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, lineage, parse_spec, paths_of,
+                   plan_children, prefix_tree_mask, prompt_lookup, select_nodes, split_lookup, visible)
 from .verify import SamplingParams, greedy_accept, renormalise, sample_accept, sample_token, target_probs
 
 DRAFT_SAMPLING = ("topk", "sample")
@@ -539,14 +539,8 @@ class Engine:
         head-cache entries (`slots` lists the candidates with an entry, in cache order)."""
         slots += frontier
         col = {c: j for j, c in enumerate(slots)}
-        seen = []
-        for i in frontier:
-            cols, j = [], i
-            while j >= 0:
-                cols.append(col[j])
-                j = parents[j]
-            seen.append(sorted(cols))
-        allowed = torch.tensor([[j in cols for j in range(len(slots))] for cols in seen], dtype=torch.bool)
+        seen = [sorted(col[j] for j in lineage(i, parents)) for i in frontier]  # head-cache entries, ascending
+        allowed = visible(seen, range(len(slots)))
         f = self._head_level(torch.cat([feat[parents[i]] for i in frontier], dim=1),
                              [[toks[i] for i in frontier]], lens, depth, allowed, head_cache, seen)
         for r, i in enumerate(frontier):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -166,17 +167,24 @@ def plan_children(drawn: list[float], slots: list[list[float]], keep: int, cap: 
     return counts
 
 
+def lineage(i: int, parents: list[int]) -> list[int]:
+    """Node i's ancestors, root-most first, then i itself (`parents[j]` < 0 ends the walk)."""
+    line = []
+    while i >= 0:
+        line.append(i)
+        i = parents[i]
+    return line[::-1]
+
+
+def visible(seen: list[list[int]], keys: Sequence[int]) -> torch.Tensor:
+    """(len(seen), len(keys)) bool: row r may attend to key c where keys[c] is in seen[r]."""
+    sets = [set(row) for row in seen]
+    return torch.tensor([[k in row for k in keys] for row in sets], dtype=torch.bool).reshape(len(seen), len(keys))
+
+
 def paths_of(selected: list[int], parents: list[int], ranks: list[int]) -> list[list[int]]:
     """Rank paths (the input of `build_tree`) of the selected candidates."""
-    paths = []
-    for i in selected:
-        p = []
-        j = i
-        while j >= 0:
-            p.append(ranks[j])
-            j = parents[j]
-        paths.append(p[::-1])
-    return paths
+    return [[ranks[j] for j in lineage(i, parents)] for i in selected]
 
 
 def parse_tree(spec: str | list[list[int]]) -> list[list[int]]:
@@ -252,22 +260,12 @@ def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
     max_depth = max(depth)
 
     # Python lists first, one tensor each: a dynamic tree is built anew every round
-    ancestors: list[list[int]] = []  # per node, the nodes it sees (its ancestors and itself), ascending
-    for i in range(n):
-        chain_, j = [], i
-        while j >= 0:
-            chain_.append(j)
-            j = parent[j]
-        ancestors.append(chain_[::-1])
-    rows = [[False] * n for _ in range(n)]
-    for i, seen in enumerate(ancestors):
-        for j in seen:
-            rows[i][j] = True
-    mask = torch.tensor(rows, dtype=torch.bool)
+    ancestors = [lineage(i, parent) for i in range(n)]  # the nodes each sees: its ancestors and itself, ascending
+    mask = visible(ancestors, range(n))
 
     leaves = [i for i in range(n) if not children[i]]
     retrieve = torch.tensor([ancestors[leaf] + [-1] * (max_depth + 1 - len(ancestors[leaf])) for leaf in leaves],
-                            dtype=torch.long).reshape(len(leaves), max_depth + 1)
+                            dtype=torch.long)
 
     expand_nodes, expand_topk = [], []
     for d in range(max_depth):
@@ -279,7 +277,7 @@ def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
     draft_masks = [torch.zeros(0, 0, dtype=torch.bool)]
     for d in range(1, max_depth):
         slots += expand_nodes[d]
-        draft_masks.append(torch.tensor([[rows[i][j] for j in slots] for i in expand_nodes[d]], dtype=torch.bool))
+        draft_masks.append(visible([ancestors[i] for i in expand_nodes[d]], slots))
 
     return TreeBuffers(
         paths=all_paths,
