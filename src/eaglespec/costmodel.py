@@ -184,27 +184,46 @@ def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: i
     return CostProfile(list(sizes), verify, draft, context, machine_info(engine))
 
 
-class CostWatch:
-    """Checks a cached profile against the verify times real rounds take. A curve measured while
-    the CPU was busy (or a machine that got faster or slower since) would size every later tree
-    wrongly for good; when the median of observed / predicted over a window of rounds is off by
-    more than `tolerance`x, `observe` says so and the caller measures again. Each re-measurement
-    doubles the window, so a load that comes and goes cannot make it measure all the time."""
+class LiveCosts:
+    """The cost curve as this engine's own forwards find it. A curve is a snapshot: measured at one
+    context, between forwards of every other size, on a host whose memory bandwidth moves by 1.5x
+    from hour to hour. One put int4-q8's step at 4.6 ms and each extra node at ~0.3 ms while real
+    rounds took 3.0 ms and ~0.75 ms, so `auto` verified trees that lost to plain steps; at fp32 on
+    another day real costs were flat where the curve was steep. So every timed forward of n tokens
+    refits verify(n) = a + b (n - 1) by least squares over recent forwards (decayed). The curve's
+    own line (over sizes up to 16) is the prior: worth `prior` forwards at the level, and a ridge
+    on b that holds the slope while rounds keep verifying one size. A line, not the curve's shape: on
+    CPU a forward's cost grows about linearly with its tokens, and the shape was what went wrong."""
 
-    def __init__(self, profile: CostProfile, window: int = 16, tolerance: float = 1.5):
-        self.profile, self.window, self.tolerance = profile, window, tolerance
-        self.ratios: list[float] = []
+    def __init__(self, profile: CostProfile, decay: float = 0.95, prior: float = 0.5):
+        self.profile, self.decay, self.prior = profile, decay, prior
+        self.draft_level_s = profile.draft_level_s
+        pts = [(n - 1.0, profile.verify(n)) for n in profile.sizes if n <= 16]
+        mx, my = (sum(v) / len(pts) for v in zip(*pts))
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        self.b0 = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx > 0 else 0.0
+        self.a0 = my - self.b0 * mx
+        self._sums = [0.0] * 5  # decayed weight, sum x, sum x^2, sum y, sum x y (x = n - 1, y = seconds)
+        self.a, self.b = self.a0, self.b0
 
-    def observe(self, tokens: int, seconds: float) -> bool:
-        self.ratios.append(seconds / max(self.profile.verify(tokens), 1e-9))
-        if len(self.ratios) < self.window:
-            return False
-        ratio = statistics.median(self.ratios)
-        self.ratios = []
-        return not 1 / self.tolerance <= ratio <= self.tolerance
+    def _fit(self) -> None:
+        w, sx, sxx, sy, sxy = self._sums
+        mx, my = sx / w, sy / w
+        b = (sxy - sx * my + self.prior * self.b0) / (sxx - sx * mx + self.prior)
+        self.b = max(b, 0.0)  # more tokens never cost less
+        # the level where the forwards were timed: theirs, with the prior's line worth `prior` forwards
+        level = (w * my + self.prior * (self.a0 + self.b0 * mx)) / (w + self.prior)
+        self.a = max(level - self.b * mx, 1e-9)
 
-    def replace(self, profile: CostProfile) -> None:
-        self.profile, self.window, self.ratios = profile, 2 * self.window, []
+    def observe(self, n: int, seconds: float) -> None:
+        x, d = n - 1.0, self.decay
+        self._sums = [d * s + v for s, v in zip(self._sums, (1.0, x, x * x, seconds, x * seconds))]
+        self._fit()
+
+    def verify(self, n: int) -> float:
+        return self.a + self.b * (n - 1)
+
+    best_size = CostProfile.best_size
 
 
 def within_2x(seconds: float, modelled: float) -> float:
@@ -221,9 +240,10 @@ class DraftGate:
     busy host put int4-q8's step at 4.1 ms against 3.1 real, and drafting looked like a win while it
     lost. So the gate times plain steps itself: `warmup` of them once `warmup` drafted rounds are
     in, then one every `refresh` drafted rounds. A round that first feeds the head a backlog (the
-    prompt, or the plain steps' tokens) pays for the pause, not for drafting: it counts the head's
-    usual feed instead of that one. Decayed sums; once drafted rounds lose by more than `margin`,
-    the gate shuts: `pause` plain steps (vanilla's: lossless as ever), then one drafted round probes
+    prompt, or the plain steps' tokens) is not counted: its feed, and a new prompt's one-off costs
+    (1-2 ms more at int4-q8, beyond the feed), are the switch's, not drafting's. Decayed sums; once
+    they hold `keep` rounds and drafted rounds lose by more than `margin`,
+    the gate shuts: `pause` plain steps (vanilla's: lossless as ever), then drafted rounds probe
     again. A round's tokens are noisy (at T = 1 one round in five brings twice the mean), so a
     probe is judged with the rounds before it (plain steps fade them, down to `keep` rounds'
     weight) and reopens the gate only where drafting wins outright; one that does not doubles the
@@ -238,7 +258,6 @@ class DraftGate:
         self.tokens = self.cost = self.rounds = 0.0  # decayed sums over drafted rounds
         self.shut = False  # drafting lost: the next drafted round is a probe
         self.plain_steps = self.plain_cost = 0.0  # and over plain steps
-        self.feed = self.feeds = 0.0  # and the head's feed in rounds without a backlog
         self.drafted, self.pause, self.skip, self.since_plain = 0, pause, 0, 0
 
     def new_text(self) -> None:
@@ -276,25 +295,20 @@ class DraftGate:
         f = max(self.decay, min(1.0, self.keep / self.rounds)) if self.rounds else 1.0
         self.tokens, self.cost, self.rounds = f * self.tokens, f * self.cost, f * self.rounds
 
-    def observe(self, tokens: int, levels: int, nodes: int, seconds: float, backlog: bool = False,
-                feed_s: float = 0.0) -> None:
+    def observe(self, tokens: int, levels: int, nodes: int, seconds: float, backlog: bool = False) -> None:
         """A drafted round: tokens emitted, draft levels run, nodes verified (the root included), the
-        seconds it took, whether the head first caught up on a backlog, and the seconds of that feed
-        (the head's first forward)."""
+        seconds it took, and whether the head first caught up on a backlog (then it is not counted)."""
+        self.drafted += 1
+        self.since_plain += 1
+        if backlog:
+            return
         d = self.decay
         # the head ran at least once, even where it drafted nothing worth verifying
         modelled = max(levels, 1) * self.profile.draft_level_s + self.profile.verify(nodes)
-        if backlog:
-            usual = self.feed / self.feeds if self.feeds else self.profile.draft_level_s
-            seconds = seconds - feed_s + usual
-        else:
-            self.feed, self.feeds = d * self.feed + feed_s, d * self.feeds + 1
         self.tokens = d * self.tokens + tokens
         self.cost = d * self.cost + within_2x(seconds, modelled)
         self.rounds = d * self.rounds + 1
-        self.drafted += 1
-        self.since_plain += 1
-        if self.drafted < self.warmup:
+        if self.drafted < self.warmup or self.rounds < self.keep:
             return
         # switching costs a backlog feed and probes: drafting must lose clearly before the gate
         # shuts, and win before it reopens
@@ -304,12 +318,11 @@ class DraftGate:
             self.pause, self.shut = max(self.base, self.pause // 2), False
 
 
-def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = True,
-                    fresh: bool = False) -> CostProfile:
-    """The cached profile for this engine's (model, dtype, machine), measured and cached when absent
-    (or when `fresh`: the cached one disagreed with real rounds)."""
+def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = True) -> CostProfile:
+    """The cached profile for this engine's (model, dtype, machine), measured and cached when absent.
+    How far it is from real rounds matters less than it did: `LiveCosts` refits it as they run."""
     path = Path(path) if path is not None else profile_path(engine)
-    if path.is_file() and not fresh:
+    if path.is_file():
         try:
             return CostProfile.load(path)
         except (ValueError, TypeError, KeyError):
@@ -317,8 +330,7 @@ def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = 
     if verbose:
         import sys
 
-        what = "again: the cached one disagrees with real rounds" if fresh else "once"
-        print(f"eaglespec: measuring this machine's cost curve {what} (cached in {path}) ...", file=sys.stderr)
+        print(f"eaglespec: measuring this machine's cost curve once (cached in {path}) ...", file=sys.stderr)
     t0 = time.perf_counter()
     prof = measure(engine)
     prof.machine["measure_time_s"] = time.perf_counter() - t0

@@ -20,7 +20,7 @@ from .errors import EaglespecError
 from .head import EagleDraftHead
 from .kernels import bf16dot_available
 from .models import HiddenStateTap
-from .costmodel import CostProfile, CostWatch, DraftGate, load_or_measure
+from .costmodel import CostProfile, DraftGate, LiveCosts, load_or_measure
 from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, lineage, parse_spec, paths_of,
                    plan_children, prefix_tree_mask, prompt_lookup, select_nodes, split_lookup, visible)
 from .verify import SamplingParams, greedy_accept, renormalise, sample_accept, sample_token, target_probs
@@ -37,7 +37,6 @@ class GenerationStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     time_s: float = 0.0
-    measure_time_s: float = 0.0  # re-measuring the cost curve mid-generation (`CostWatch`), inside time_s
     # n-alpha: at a tree position reached with n draft-predicted features upstream, was a child accepted?
     alpha_accepted: list[int] = field(default_factory=list)
     alpha_total: list[int] = field(default_factory=list)
@@ -61,7 +60,7 @@ class GenerationStats:
             "rounds": self.rounds, "new_tokens": self.new_tokens, "tau": self.tau,
             "accept_lengths": self.accept_lengths, "time_s": self.time_s, "tokens_per_s": self.tokens_per_s,
             "prefill_time_s": self.prefill_time_s, "draft_time_s": self.draft_time_s,
-            "verify_time_s": self.verify_time_s, "measure_time_s": self.measure_time_s, "n_alpha": self.n_alpha,
+            "verify_time_s": self.verify_time_s, "n_alpha": self.n_alpha,
             "alpha_accepted": self.alpha_accepted, "alpha_total": self.alpha_total,
             "lookup_tokens": self.lookup_tokens, "plain_steps": self.plain_steps,
         }
@@ -153,9 +152,10 @@ class Engine:
             raise EaglespecError(f"sink_layers {self.sink_layers} differ from the head's aux layers {self.head.aux_layers}")
         self._tap = HiddenStateTap.of(self.decoder, self.aux_layers)
         self.costs = costs  # the machine's cost curve, for `auto` (measured on first use if None)
-        self._watch: CostWatch | None = None  # checks a cached curve against real rounds
+        # the curve refitted to the forwards this engine times, unless it was given one: taken as it is
+        self.refit = costs is None
+        self._live: LiveCosts | CostProfile | None = costs
         self._gate: DraftGate | None = None  # `auto`: no draft while drafted rounds lose to plain steps
-        self._feed_s = 0.0  # this round's head feed (its first forward), for the gate
         self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
         self._calib_rank: list[list[float]] = []  # the same per sibling rank, for sampled trees
         self._predicted_rank: list[float] | None = None
@@ -300,7 +300,8 @@ class Engine:
             gen.manual_seed(seed if seed is not None else torch.seed())
         if eagle and self.dynamic is not None and self.dynamic.auto and self.costs is None:
             self.costs = load_or_measure(self)
-            self._watch = CostWatch(self.costs)
+        if eagle and self.costs is not None and getattr(self._live, "profile", self._live) is not self.costs:
+            self._live = LiveCosts(self.costs) if self.refit else self.costs
         depth = self.dynamic.depth if self.dynamic else self.tree.max_depth
         max_nodes = (self.dynamic.total_tokens or self.dynamic.max_nodes) if self.dynamic else self.tree.n
         lookup = self.lookup if eagle and len(prompts) == 1 else 0
@@ -391,13 +392,8 @@ class Engine:
             if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
                 cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
             tc = self._clock()
-            remeasure = 0.0
-            if self._watch is not None and use_tree and self._watch.observe(cur.n, tc - tb):
-                self.costs = load_or_measure(self, fresh=True)
-                self._watch.replace(self.costs)
-                remeasure = self._clock() - tc
-                for r in rows:  # a one-off cost, but not the decoding's: benchmarks leave it out
-                    r.stats.measure_time_s += remeasure
+            if isinstance(self._live, LiveCosts) and len(rows) == 1 and (use_tree or gate is not None):
+                self._live.observe(cur.n, tc - tb)  # the gate's plain steps too: they pin verify(1)
             events = []
             for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
                 r.n_ctx += len(keep)
@@ -428,10 +424,10 @@ class Engine:
                     self._calibrate(tree_h, path_h)
                 events.append(emit(r, accepted))
             if gate is not None:  # the whole round, its bookkeeping included: a drafted round's is dearer
-                td = self._clock() - remeasure
+                td = self._clock()
                 if use_tree:
                     gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n,
-                                 td - ta, backlog=not drafted_last, feed_s=self._feed_s)
+                                 td - ta, backlog=not drafted_last)
                 else:
                     gate.observe_plain(td - ta)
             drafted_last = use_tree
@@ -442,8 +438,8 @@ class Engine:
         """The `auto` tree's gate (one sequence), made anew with each cost curve."""
         if batch != 1 or self.dynamic is None or not self.dynamic.auto or self.costs is None:
             return None
-        if self._gate is None or self._gate.profile is not self.costs:
-            self._gate = DraftGate(self.costs)
+        if self._gate is None or self._gate.profile is not self._live:
+            self._gate = DraftGate(self._live)
         return self._gate
 
     def _draft(self, rows: list["_Row"], head_cache: KVCache, sp: SamplingParams, gen: torch.Generator | None,
@@ -468,8 +464,6 @@ class Engine:
             causal = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(prefix_tree_mask(causal, start, hl), self.dtype)
         out = self.head(feats, toks, pos, mask, head_cache)
-        if self._gate is not None:  # only the gate reads it; a CUDA clock synchronises
-            self._feed_s = self._clock() - t_round
         root_f = torch.stack([out[b, n - 1 : n] for b, n in enumerate(counts)])  # (B, 1, H)
         if ragged or B > 1:
             head_cache.compact_rows(hl.tolist(), start, [torch.arange(n, device=self.device) for n in counts])
@@ -584,7 +578,7 @@ class Engine:
                     scores.append(base + vals[r][c])
         if dyn.auto:
             gains = sorted((math.exp(x) * self._calib_ratio() for x in scores), reverse=True)
-            budget, _ = self.costs.best_size(gains, self._clock() - t_round)
+            budget, _ = self._live.best_size(gains, self._clock() - t_round)
         else:
             budget = dyn.total_tokens - 1
         chosen = select_nodes(scores, parents, budget)
@@ -626,7 +620,7 @@ class Engine:
             drawn = [math.exp(x) * c[j] for x, j in zip(scores, ranks)]
             if dyn.auto:
                 gains = sorted(drawn + [v for row in slot_values for v in row], reverse=True)
-                keep, _ = self.costs.best_size(gains, self._clock() - t_round)
+                keep, _ = self._live.best_size(gains, self._clock() - t_round)
                 counts = plan_children(drawn, slot_values, keep, len(gains))
             else:
                 budget = dyn.total_tokens - 1
@@ -691,9 +685,9 @@ class Engine:
         c = self._calib_ratio()
         gains = sorted((math.exp(x) * c for x in scores), reverse=True)
         spent = self._clock() - t_round
-        _, now = self.costs.best_size(gains, spent)
+        _, now = self._live.best_size(gains, spent)
         guess = [math.exp(2 * scores[i] - (scores[parents[i]] if parents[i] >= 0 else 0.0)) * c for i in frontier]
-        _, then = self.costs.best_size(sorted(gains + guess, reverse=True), spent + self.costs.draft_level_s)
+        _, then = self._live.best_size(sorted(gains + guess, reverse=True), spent + self._live.draft_level_s)
         return then > now
 
     def _graft(self, tree: TreeBuffers, tokens: list[int], qs: list[torch.Tensor | None], history: list[int], n: int,
@@ -732,10 +726,10 @@ class Engine:
         acceptance rate to the expected tokens and one token to the verification."""
         spent = self._clock() - t_round
         expected = 1.0 + self._predicted * self._calib_ratio()
-        best_l, best = 0, expected / (spent + self.costs.verify(nodes))
+        best_l, best = 0, expected / (spent + self._live.verify(nodes))
         for l, r in enumerate(self._lookup_rates(n), start=1):
             expected += r
-            rate = expected / (spent + self.costs.verify(nodes + l))
+            rate = expected / (spent + self._live.verify(nodes + l))
             if rate > best:
                 best_l, best = l, rate
         return best_l
