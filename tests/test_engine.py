@@ -138,17 +138,18 @@ def test_draft_gate_pauses_drafting_that_loses_and_probes_again():
 
 def test_a_new_prompt_opens_the_gate_and_keeps_what_a_plain_step_costs(tiny_pair):
     """Drafting lost on one text: the next prompt still drafts its first round (the gate forgets the
-    drafted rounds, not the plain steps it timed)."""
+    drafted rounds, not the plain steps it timed nor how long its pause grew)."""
     model, head = tiny_pair
     eng = Engine(model, head, tree="auto", costs=CostProfile([1, 2, 64], [1e-6, 1.0, 2.0], 0.1, 0, {}))
     eng.generate(PROMPTS[1], 40, method="eagle")
     gate = eng._gate
     assert gate.skip > 0 and gate.shut and gate.plain_steps > 0  # shut where drafting loses
-    plain_rate = gate.plain_rate()
+    plain_rate, pause = gate.plain_rate(), gate.pause
+    assert pause > gate.base  # probes lost too
     stream = eng.stream(PROMPTS[0], 40, method="eagle")
     next(stream)  # the prompt is in
     assert eng._gate is gate and gate.draft() and not gate.shut and gate.rounds == 0
-    assert gate.plain_rate() == plain_rate
+    assert gate.plain_rate() == plain_rate and gate.pause == pause  # should it lose again, probes stay rare
 
 
 def test_draft_gate_judges_a_probe_with_the_rounds_before_it():
