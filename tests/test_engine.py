@@ -399,6 +399,23 @@ def test_context_vocabulary_proposes_what_the_text_used(tiny_pair, tree):
         assert [o.token_ids for o in outs] == [hf_greedy(model, p, 30) for p in PROMPTS]
 
 
+def test_context_vocabulary_adds_each_outside_token_once_per_text(tiny_pair):
+    """Only tokens outside the draft vocabulary join it, once each; a new text starts from the
+    draft vocabulary alone, and a new draft vocabulary is the one consulted."""
+    model, head = tiny_pair
+    small = reduced_head(model, head, torch.tensor([0, 2, 4, 6]), context=True)
+    small.add_context(torch.tensor([2, 5, 5, 7]))
+    small.add_context(torch.tensor([7, 4, 9]))
+    assert small._draft_ids().tolist() == [0, 2, 4, 6, 5, 7, 9]
+    assert small.logits(torch.randn(1, model.config.hidden_size)).shape[-1] == 7
+    small.reset_context()
+    small.add_context(torch.tensor([9]))
+    assert small._draft_ids().tolist() == [0, 2, 4, 6, 9]
+    small.set_draft_vocab(torch.tensor([1, 9]))
+    small.add_context(torch.tensor([9, 2]))
+    assert small._draft_ids().tolist() == [1, 9, 2]
+
+
 def test_sampling_law_with_context_vocabulary():
     """Tokens join the draft vocabulary mid-generation (the prompt's first, then the sampled ones):
     the output law is still the target's."""
