@@ -243,10 +243,11 @@ class DraftGate:
     prompt, or the plain steps' tokens) is not counted: its feed, and a new prompt's one-off costs
     (1-2 ms more at int4-q8, beyond the feed), are the switch's, not drafting's. Decayed sums; once
     they hold `keep` rounds' weight and drafted rounds lose by more than `margin`, the gate shuts:
-    `pause` plain steps (vanilla's: lossless as ever), then drafted rounds probe again. A round's tokens are noisy (at T = 1 one round in five brings twice the mean), so a
-    probe is judged with the rounds before it (plain steps fade them, down to `keep` rounds'
-    weight) and reopens the gate only where drafting wins outright; one that does not doubles the
-    pause (up to `max_pause`). Winning rounds halve it again, down to `pause`: a lucky probe that
+    `pause` plain steps (vanilla's: lossless as ever), then drafted rounds probe again. A round's
+    tokens are noisy (at T = 1 one round in five brings twice the mean), so a probe is judged with
+    the rounds before it (plain steps fade them, down to `keep` rounds' weight) and reopens the
+    gate only where drafting wins outright; one that does not doubles the pause (up to
+    `max_pause`). Winning rounds halve it again, down to `pause`: a lucky probe that
     reopens the gate for a round or two leaves the long pause in place. A new prompt opens the gate
     again (`new_text`): a text where drafting lost says little about the next one (the pause it
     grew is kept)."""
