@@ -385,7 +385,7 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_torch_with_a_warning(tmp_pa
 
 
 @needs_skinny
-def test_packed_linear_picks_skinny_for_few_rows_and_torch_for_a_prefill(monkeypatch):
+def test_packed_linear_runs_skinny_for_any_row_count_and_torch_for_training(monkeypatch):
     from eaglespec import kernels
     from eaglespec.quant import PackedLinear
 
@@ -396,10 +396,16 @@ def test_packed_linear_picks_skinny_for_few_rows_and_torch_for_a_prefill(monkeyp
     real = kernels.linear
     monkeypatch.setattr(kernels, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     with torch.no_grad():
-        for m in (1, 7, PackedLinear.SKINNY_ROWS, PackedLinear.SKINNY_ROWS + 1):
+        for m in (1, 7, 64, 65, 300):
             x = torch.randn(1, m, 64)
             torch.testing.assert_close(p(x), lin(x), atol=1e-4, rtol=1e-4)
-    assert calls == [1, 7, PackedLinear.SKINNY_ROWS]
+        # a prefill's rows are summed as a step sums each of them alone
+        x = torch.randn(300, 64)
+        assert torch.equal(p(x)[123], p(x[123:124])[0])
+    assert calls[:5] == [1, 7, 64, 65, 300]
+    x = torch.randn(5, 64, requires_grad=True)
+    p(x).sum().backward()  # training needs autograd: torch's linear, not the kernel
+    assert len(calls) == 7 and x.grad is not None
     assert not PackedLinear(torch.nn.Linear(64, 100)).skinny  # 100 outputs: oneDNN's packing instead
 
 
