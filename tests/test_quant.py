@@ -153,9 +153,13 @@ def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
     from eaglespec.kernels import bf16dot_available
     from eaglespec.quant import Bf16DotLinear
 
-    # every head drafts with int4-dot's kernels where the CPU has them: its layers bf16-dot
-    assert type(head._packed_draft) is PackedLinear and type(head.fc) is (Bf16DotLinear if bf16dot_available()
-                                                                           else Bf16Linear)
+    from eaglespec.kernels import q4q8_available
+    from eaglespec.quant import Int4DotLinear, Int4Q8Linear
+
+    # every head drafts in 4 bits where the CPU has the dot kernels (its layers too); the draft LM head
+    # of 50 rows (no whole blocks of 32) stays fp32
+    four = Int4Q8Linear if q4q8_available() else Int4DotLinear
+    assert type(head._packed_draft) is PackedLinear and type(head.fc) is (four if bf16dot_available() else Bf16Linear)
     for ids in PROMPTS:
         assert eng.generate(ids, 30).token_ids == eng.generate(ids, 30, method="vanilla").token_ids
 
@@ -305,8 +309,11 @@ def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
     assert type(model.lm_head) is cls
     from eaglespec.kernels import bf16dot_available
 
-    # every head drafts with int4-dot's kernels where the CPU has them: its own layers bf16-dot
-    assert type(head.fc) is (Bf16DotLinear if bf16dot_available() else cls)
+    from eaglespec.kernels import q4q8_available
+
+    # every head drafts in 4 bits where the CPU has the dot kernels, its own layers too
+    four = Int4Q8Linear if q4q8_available() else Int4DotLinear
+    assert type(head.fc) is (four if bf16dot_available() else cls)
     assert any(type(m).__name__ == "FusedLinear" for m in model.modules())  # q/k/v, gate/up as one call each
     eagle_equals_vanilla(eng, batch=tree == "paper")
 
@@ -439,12 +446,12 @@ def test_packed_target_eagle_equals_its_own_vanilla(kernel, monkeypatch):
         torch.testing.assert_close(model(x).logits, ref_model(x).logits, atol=1e-4, rtol=1e-4)
     eng = Engine(model, head)  # packs the head too: int4-dot where it runs (a draft need not be exact)
     from eaglespec.kernels import bf16dot_available, q4q8_available
-    from eaglespec.quant import Bf16DotLinear
+    from eaglespec.quant import Int4DotLinear, Int4Q8Linear
 
     dot = kernel == "skinny" and bf16dot_available()
     want = ("int4-q8" if q4q8_available() else "int4-dot") if dot else "packed"
     assert head._packed_draft is None and head.kernels == want
-    assert isinstance(head.fc, Bf16DotLinear if dot else PackedLinear)
+    assert isinstance(head.fc, (Int4Q8Linear if q4q8_available() else Int4DotLinear) if dot else PackedLinear)
     for ids in PROMPTS:
         ref = hf_greedy(model, ids, 30)
         assert eng.generate(ids, 30, method="vanilla").token_ids == ref
@@ -698,8 +705,10 @@ def test_int4_target_eagle_equals_its_own_vanilla(tree, kernel, monkeypatch):
     eng = Engine(model, head, tree=tree)  # packs the head: int4-dot where the CPU has it, else int4 too
     from eaglespec.kernels import bf16dot_available
 
-    assert head._packed_draft is None and type(head.fc).__name__ == ("Bf16DotLinear" if bf16dot_available()
-                                                                      else "Int4Linear")
+    from eaglespec.kernels import q4q8_available
+
+    four = ("Int4Q8Linear" if q4q8_available() else "Int4DotLinear") if bf16dot_available() else "Int4Linear"
+    assert head._packed_draft is None and type(head.fc).__name__ == four
     assert {m.skinny for m in model.modules() if type(m).__name__ == "Int4Linear"} == {kernel == "skinny"}
     eagle_equals_vanilla(eng, batch=tree != "dynamic:4,3,10")
 

@@ -115,6 +115,7 @@ def machine_info(engine: "Engine") -> dict:
         info["one_call"] = True
     if engine.head is not None and engine.head.kernels is not None:  # a quantized head drafts faster
         info["head_kernels"] = engine.head.kernels
+        info["head_layer_kernel"] = type(engine.head.fc).__name__  # (4-bit layers since session 40)
     if engine.head is not None and engine.head.num_layers > 1:  # a deeper head drafts slower (same rule)
         info["head_layers"] = engine.head.num_layers
     return info

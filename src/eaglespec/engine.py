@@ -133,11 +133,12 @@ class Engine:
         quant = getattr(model.config, "eaglespec_quantization", None)
         if self.head is not None and (quant or getattr(model.config, "eaglespec_kernels", None) == "packed"):
             # a CPU-tuned target gets a CPU-tuned head: drafting must stay cheap next to a fast step. A
-            # draft need not be exact, so every target's head runs int4-dot where the CPU has it (the
-            # fp32 target's: drafting reads a quarter of the bytes, +6-8 % tok/s, tau within 0.1; the
-            # bf16 ones' draft LM head streamed 19 MB per level; BENCHMARKS section 1), its draft LM
-            # head int4-q8 where AVX512-VNNI runs it (-8 % draft time, tau the same), else the target's
-            # own kind; `head.pack(...)` before the engine keeps another choice
+            # draft need not be exact, so every target's head runs 4 bits where the CPU has the dot
+            # kernels: int4-q8 where AVX512-VNNI runs it, else int4-dot (the fp32 target's draft LM
+            # head: a quarter of the bytes, +6-8 % tok/s, tau within 0.1; the bf16 ones' streamed 19 MB
+            # per level, BENCHMARKS section 1; its layers too since session 40: a round reads them cold
+            # after the target's forward, 3 MB instead of bf16-dot's 10), else the target's own kind;
+            # `head.pack(...)` before the engine keeps another choice
             self.head.pack("int4-q8" if bf16dot_available() else
                            quant if quant in ("int4", "bf16", "bf16-dot", "int4-dot") else "packed")
         tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (batch 1)

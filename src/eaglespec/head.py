@@ -137,7 +137,7 @@ class EagleDraftHead(nn.Module):
         """A new draft vocabulary (target ids). The weights do not depend on it: no retraining needed."""
         if self._packed_draft is not None:
             raise RuntimeError("set the draft vocabulary before pack()")
-        self.d2t = d2t.long().to(self.fc.weight.device)
+        self.d2t = d2t.long().to(self.rotary.inv_freq.device)  # (a packed 4-bit fc keeps no weight)
         self.refresh_draft_weight()
         self.reset_context()
 
@@ -299,8 +299,8 @@ class EagleDraftHead(nn.Module):
         """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
         "packed" = fp32 pre-packed (`quant.PackedLinear`), "int4" = `quant.Int4Linear`, "bf16" =
         `quant.Bf16Linear`, "bf16-dot" = `quant.Bf16DotLinear`, "int4-dot" = `quant.Int4DotLinear`,
-        "int4-q8" = int4-dot with a `quant.Int4Q8Linear` draft LM head (int4-dot where AVX512-VNNI is
-        missing). A draft is any distribution we can sample from, so a quantized head stays lossless."""
+        "int4-q8" = `quant.Int4Q8Linear` (int4-dot where AVX512-VNNI is missing). A draft is any
+        distribution we can sample from, so a quantized head stays lossless."""
         from .kernels import BLOCK, available as kernels_available, bf16dot_available, fits_q4, q4q8_available
         from .quant import (Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, Int4Q8Linear, PackedLinear,
                             eager_fast_paths, int4_available, packed_linear_available, replace_linears)
@@ -314,12 +314,17 @@ class EagleDraftHead(nn.Module):
         if kind == "int4" and int4_available():
             make = partial(Int4Linear, keep_weight=False)
         elif kind in ("bf16", "bf16-dot", "int4-dot", "int4-q8") and kernels_available():
-            # int4-dot / int4-q8: the head's own layers in bf16-dot (trained in fp32, not made for 4
-            # bits); its draft LM head, rows of the target's, in int4-dot / int4-q8 below
+            # int4-dot / int4-q8: the head's layers and its draft LM head (rows of the target's) in 4
+            # bits, bf16-dot where a layer's shape does not fit them. A draft round reads the head's
+            # weights from memory (the target's forward before it evicts them from the caches): 3 MB,
+            # not bf16's 10, made int4-q8's T = 0 rounds ~7 % faster at the same tau (BENCHMARKS 4e)
             make = Bf16DotLinear if kind != "bf16" and bf16dot_available() else Bf16Linear
             if make is Bf16Linear:
                 self.kernels = "bf16"
             fits = lambda m: m.weight.shape[0] % BLOCK == 0 and (make is Bf16Linear or m.weight.shape[1] % 2 == 0)
+            if kind in ("int4-dot", "int4-q8") and make is Bf16DotLinear:
+                q4 = partial(Int4Q8Linear if kind == "int4-q8" else Int4DotLinear, keep_weight=False)
+                make = lambda m, bf16=make: q4(m) if fits_q4(*m.weight.shape) else bf16(m)
         elif packed_linear_available():
             make, self.kernels = PackedLinear, "packed"
             fits = lambda m: m.weight.dtype == torch.float32
@@ -336,10 +341,9 @@ class EagleDraftHead(nn.Module):
                 self.refresh_draft_weight()
             lin = nn.Linear(self._w_draft.shape[1], self._w_draft.shape[0], bias=False)
             lin.weight = nn.Parameter(self._w_draft.float(), requires_grad=False)
-            if kind in ("int4-dot", "int4-q8") and make is Bf16DotLinear and fits_q4(*lin.weight.shape):
-                make = partial(Int4Q8Linear if kind == "int4-q8" else Int4DotLinear, keep_weight=False)
-            # the bf16 kernels want whole blocks of rows; a draft vocabulary need not have them
-            self._packed_draft = (PackedLinear if make in (Bf16Linear, Bf16DotLinear) and lin.out_features % BLOCK else make)(lin)
+            # the 4-bit and bf16 kernels want whole blocks of rows; a draft vocabulary need not have them
+            whole = self.kernels in ("bf16", "bf16-dot", "int4-dot", "int4-q8")
+            self._packed_draft = (PackedLinear if whole and lin.out_features % BLOCK else make)(lin)
         return self
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
