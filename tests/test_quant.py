@@ -143,19 +143,14 @@ def test_skinny_bf16_kernel_is_the_fp32_kernel_on_the_rounded_weight_bitwise(bia
 @needs_skinny
 def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
     """A draft vocabulary of 50 tokens (not a multiple of 32) keeps a packed fp32 draft LM head."""
-    from eaglespec.quant import Bf16Linear, PackedLinear
+    from eaglespec.kernels import bf16dot_available, q4q8_available
+    from eaglespec.quant import Bf16Linear, Int4DotLinear, Int4Q8Linear, PackedLinear
 
     model = tiny_target("llama", seed=6)
     head = good_head(model)
     head.set_draft_vocab(torch.arange(50))
     quantize_weights(model, "bf16")
     eng = Engine(model, head, tree="chain:3")
-    from eaglespec.kernels import bf16dot_available
-    from eaglespec.quant import Bf16DotLinear
-
-    from eaglespec.kernels import q4q8_available
-    from eaglespec.quant import Int4DotLinear, Int4Q8Linear
-
     # every head drafts in 4 bits where the CPU has the dot kernels (its layers too); the draft LM head
     # of 50 rows (no whole blocks of 32) stays fp32
     four = Int4Q8Linear if q4q8_available() else Int4DotLinear
