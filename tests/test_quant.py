@@ -159,6 +159,20 @@ def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
         assert eng.generate(ids, 30).token_ids == eng.generate(ids, 30, method="vanilla").token_ids
 
 
+@needs_skinny
+def test_a_packed_head_without_a_draft_vocabulary_takes_one_later():
+    """A 4-bit packed layer keeps no fp32 weight: a new draft vocabulary must not look for one."""
+    model = tiny_target("llama", seed=6)
+    head = good_head(model)
+    pack_target(model)
+    eng = Engine(model, head, tree="chain:3")  # packs the head
+    assert head.kernels is not None and head._packed_draft is None
+    head.set_draft_vocab(torch.arange(64))
+    assert head.draft_vocab_size == 64
+    for ids in PROMPTS:
+        assert eng.generate(ids, 30).token_ids == eng.generate(ids, 30, method="vanilla").token_ids
+
+
 def test_bf16_rejects_layers_it_cannot_block():
     from eaglespec.errors import EaglespecError
     from eaglespec.quant import Bf16DotLinear, Bf16Linear
