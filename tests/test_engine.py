@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from eaglespec.cache import KVCache
 from eaglespec.costmodel import CostProfile, DraftGate, LiveCosts
-from eaglespec.engine import Engine
+from eaglespec.engine import Engine, Prediction
 from eaglespec.errors import EaglespecError
 from eaglespec.head import EagleDraftHead
 from eaglespec.tree import build_tree
@@ -467,16 +467,35 @@ def test_prompt_lookup_sees_the_tokens_of_plain_steps():
     assert len(seen[-1]) > len(seen[1]) + 2  # the history grew across plain steps
 
 
+def test_calibration_compares_what_the_head_predicted_with_what_was_accepted(tiny_pair):
+    """The prediction travels with its tree: the overall ratio, and per sibling rank for sampled
+    trees (clamped to [0.05, 2]); a dynamic tree's rounds feed it, a static tree's do not."""
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="auto", costs=synthetic_costs(0.001, 0.05))
+    chain = build_tree("chain:2")
+    for _ in range(400):  # the head expects 2 tokens, the target takes 1
+        eng._calibrate(chain, [1], Prediction(2.0))
+    assert abs(eng._calib_ratio() - 0.5) < 0.02
+    siblings = build_tree([[0], [1]])  # node 2 is the root's second-ranked child
+    for _ in range(400):
+        eng._calibrate(siblings, [2], Prediction(1.0, [0.8, 0.2]))
+    assert eng._rank_ratio(0) == 0.05 and eng._rank_ratio(1) == 2.0
+    fresh = Engine(model, head, tree="auto", costs=synthetic_costs(0.001, 0.05))
+    fresh.generate(PROMPTS[0], 20)
+    assert fresh._calib != [1.0, 1.0]
+    static = Engine(model, head, tree="chain:3")
+    static.generate(PROMPTS[0], 20)
+    assert static._calib == [1.0, 1.0]
+
+
 def test_lookup_budget_follows_costs_and_acceptance(tiny_pair):
     """`auto` sizes the graft: cheap verification -> the whole chain, dear -> none; misses lower a
     position's rate, and a position no longer proposed drifts back to its prior."""
     model, head = tiny_pair
     cheap = Engine(model, head, tree="auto+lookup", costs=synthetic_costs(0.001, 0.05))
     dear = Engine(model, head, tree="auto+lookup", costs=synthetic_costs(5.0, 0.05))
-    for eng in (cheap, dear):
-        eng._predicted = 1.0
     now = cheap._clock()
-    assert cheap._lookup_budget(8, 4, now) >= 6 and dear._lookup_budget(8, 4, now) == 0
+    assert cheap._lookup_budget(8, 4, 1.0, now) >= 6 and dear._lookup_budget(8, 4, 1.0, now) == 0
     tree = build_tree("chain:2")
     cheap._chain = [tree.paths[1], tree.paths[2]]
     for _ in range(200):  # both guesses proposed, both rejected

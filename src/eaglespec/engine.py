@@ -79,6 +79,19 @@ class GenerationOutput:
 
 
 @dataclass
+class Prediction:
+    """What the head expects a drafted tree to yield: the sum of its nodes' acceptance chances as
+    drafted (cumulative draft probabilities, or a sampled tree's planned values), and for a sampled
+    tree the same per sibling rank. `_calibrate` compares it with what the target accepted."""
+
+    total: float
+    per_rank: list[float] | None = None
+
+
+Draft = tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers, Prediction | None]
+
+
+@dataclass
 class _Row:
     """One sequence of a (possibly batched) decode."""
 
@@ -159,7 +172,6 @@ class Engine:
         self._gate: DraftGate | None = None  # `auto`: no draft while drafted rounds lose to plain steps
         self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
         self._calib_rank: list[list[float]] = []  # the same per sibling rank, for sampled trees
-        self._predicted_rank: list[float] | None = None
         self._lookup_hits: list[list[float]] = []  # per graft position: decayed (accepted, proposed)
         self._chain: list[tuple[int, ...]] = []  # this round's grafted chain, as node paths
         self.draft_sampling = draft_sampling
@@ -379,11 +391,12 @@ class Engine:
                 use_tree = gate.draft()
             ta = self._clock()
             drafted = None  # the head's own tree, when prompt lookup grafted nodes onto it
+            predicted = None  # what the head expects of its tree (dynamic trees)
             if use_tree:
-                node_tokens, node_q, cur = self._draft(rows, head_cache, sp, gen, ta)
+                node_tokens, node_q, cur, predicted = self._draft(rows, head_cache, sp, gen, ta)
                 if lookup:
                     drafted, (node_tokens, node_q, cur) = cur, self._graft(cur, node_tokens[0], node_q[0],
-                                                                           rows[0].history, lookup, ta)
+                                                                           rows[0].history, lookup, predicted, ta)
             else:
                 node_tokens, node_q, cur = [[r.root] for r in rows], [[None] for _ in rows], self.plain
             tb = self._clock()
@@ -421,8 +434,8 @@ class Engine:
                     r.history += accepted
                 if tree_h.n > 1:
                     self._count_alpha(tree_h, path_h, r.stats)
-                if use_tree and self.dynamic is not None:
-                    self._calibrate(tree_h, path_h)
+                if predicted is not None:
+                    self._calibrate(tree_h, path_h, predicted)
                 events.append(emit(r, accepted))
             if gate is not None:  # the whole round, its bookkeeping included: a drafted round's is dearer
                 td = self._clock()
@@ -444,10 +457,11 @@ class Engine:
         return self._gate
 
     def _draft(self, rows: list["_Row"], head_cache: KVCache, sp: SamplingParams, gen: torch.Generator | None,
-               t_round: float) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
+               t_round: float) -> Draft:
         """Feed each row's newly committed (feature, next token) pairs to the head, then grow this
         round's tree. Returns per row the node tokens and the law each was drawn from (None = chosen
-        deterministically), and the tree shape (shared by all rows)."""
+        deterministically), the tree shape (shared by all rows), and what the head expects of a
+        dynamic tree (None for a static one)."""
         counts = [len(r.pending[1]) for r in rows]
         B, c = len(rows), max(counts)
         start = head_cache.get_seq_length()
@@ -493,7 +507,7 @@ class Engine:
 
     def _grow_static(self, root_f: torch.Tensor, roots: list[int], lens: list[int], head_cache: KVCache,
                      sp: SamplingParams, gen: torch.Generator | None
-                     ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
+                     ) -> Draft:
         head, tree = self.head, self.tree
         B = len(roots)
         node_feat: dict[int, torch.Tensor] = {0: root_f}  # (B, 1, H) per expanded node
@@ -526,7 +540,7 @@ class Engine:
                         node_tokens[b][c] = picks[row][r]
                         if qs is not None:
                             node_q[b][c] = sibling_q(qs[row], picks[row][:r], picks[row][r])
-        return node_tokens, node_q, tree
+        return node_tokens, node_q, tree, None
 
     def _expand(self, frontier: list[int], toks: list[int], parents: list[int], slots: list[int],
                 feat: dict[int, torch.Tensor], lens: list[int], depth: int, head_cache: KVCache) -> torch.Tensor:
@@ -544,7 +558,7 @@ class Engine:
 
     def _grow_dynamic(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
                       sp: SamplingParams, gen: torch.Generator | None, t_round: float
-                      ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
+                      ) -> Draft:
         """EAGLE-2: candidates are each expanded node's top-k children, scored by cumulative draft
         log-probability; the best `top_k` of a depth are expanded next, the best overall verified.
         Candidates are deterministic given the head, so they carry a one-hot law (q = None).
@@ -584,12 +598,12 @@ class Engine:
             budget = dyn.total_tokens - 1
         chosen = select_nodes(scores, parents, budget)
         tree, order = self._tree_of(chosen, parents, ranks)
-        self._predicted, self._predicted_rank = sum(math.exp(scores[i]) for i in chosen), None
-        return [[root] + [toks[i] for i in order]], [[None] * tree.n], tree
+        predicted = Prediction(sum(math.exp(scores[i]) for i in chosen))
+        return [[root] + [toks[i] for i in order]], [[None] * tree.n], tree, predicted
 
     def _grow_sampled(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
                       sp: SamplingParams, gen: torch.Generator | None, t_round: float
-                      ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
+                      ) -> Draft:
         """A dynamic tree of sampled drafts (T > 0). Lossless only if every drawn node is verified
         with the law it was drawn from, so nothing is pruned after drawing: each level first decides,
         from what is already drawn and the expanded nodes' distributions (never from the draws it is
@@ -642,9 +656,9 @@ class Engine:
                     scores.append(base + math.log(max(planned[r][j], 1e-30)))
                     laws.append(sibling_q(q_full[r], target_ids[r][:j], tok))
         tree, order = self._tree_of(list(range(len(toks))), parents, ranks)
-        self._predicted = sum(math.exp(x) for x in scores)
-        self._predicted_rank = [sum(math.exp(x) for x, j in zip(scores, ranks) if j == r) for r in range(k)]
-        return [[root] + [toks[i] for i in order]], [[None] + [laws[i] for i in order]], tree
+        predicted = Prediction(sum(math.exp(x) for x in scores),
+                               [sum(math.exp(x) for x, j in zip(scores, ranks) if j == r) for r in range(k)])
+        return [[root] + [toks[i] for i in order]], [[None] + [laws[i] for i in order]], tree, predicted
 
     def _tree_of(self, chosen: list[int], parents: list[int], ranks: list[int]) -> tuple[TreeBuffers, list[int]]:
         """The tree of the chosen candidates, and the candidate behind each of its non-root nodes
@@ -667,15 +681,15 @@ class Engine:
     def _rank_ratio(self, rank: int) -> float:
         return self._ratio(self._calib_rank[rank], 0.05) if rank < len(self._calib_rank) else 1.0
 
-    def _calibrate(self, tree: TreeBuffers, path: list[int]) -> None:
+    def _calibrate(self, tree: TreeBuffers, path: list[int], predicted: Prediction) -> None:
         """Track how the head's cumulative confidence relates to what the target really accepts
         (overall, and per sibling rank after a sampled round)."""
         decay = 0.98
-        self._calib = [decay * self._calib[0] + len(path), decay * self._calib[1] + self._predicted]
-        if self._predicted_rank is not None:
-            while len(self._calib_rank) < len(self._predicted_rank):
+        self._calib = [decay * self._calib[0] + len(path), decay * self._calib[1] + predicted.total]
+        if predicted.per_rank is not None:
+            while len(self._calib_rank) < len(predicted.per_rank):
                 self._calib_rank.append([1.0, 1.0])
-            for r, pred in enumerate(self._predicted_rank):
+            for r, pred in enumerate(predicted.per_rank):
                 hits = sum(tree.rank[n] == r for n in path)
                 a, p = self._calib_rank[r]
                 self._calib_rank[r] = [decay * a + hits, decay * p + pred]
@@ -692,16 +706,17 @@ class Engine:
         return then > now
 
     def _graft(self, tree: TreeBuffers, tokens: list[int], qs: list[torch.Tensor | None], history: list[int], n: int,
-               t_round: float) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
+               predicted: Prediction | None, t_round: float
+               ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
         """The drafted tree plus a chain of up to n prompt-lookup guesses under its root. A guess is a
         deterministic proposal (law None, one-hot): greedy acceptance is argmax as ever, and speculative
         sampling accepts it with the residual's probability of that token, after the head's siblings,
         so the output law is the target's whatever was guessed. With `auto`, the chain is cut where one
         more guess no longer raises tokens per second."""
         guess = prompt_lookup(history, n)
-        if guess and self.dynamic is not None and self.dynamic.auto:
+        if guess and predicted is not None and self.dynamic.auto:
             # at least one guess: the first position's rate keeps being measured
-            guess = guess[: max(1, self._lookup_budget(len(guess), tree.n, t_round))]
+            guess = guess[: max(1, self._lookup_budget(len(guess), tree.n, predicted.total, t_round))]
         paths, toks, self._chain = graft_chain(tree.paths, tokens, guess)
         if len(paths) > tree.n:
             new = build_tree([list(p) for p in paths[1:]])
@@ -722,11 +737,12 @@ class Engine:
             rates.append(low)
         return rates
 
-    def _lookup_budget(self, n: int, nodes: int, t_round: float) -> int:
-        """How many of n guesses to verify next to the head's `nodes`-node tree: each adds its
-        acceptance rate to the expected tokens and one token to the verification."""
+    def _lookup_budget(self, n: int, nodes: int, predicted: float, t_round: float) -> int:
+        """How many of n guesses to verify next to the head's `nodes`-node tree, of which it expects
+        `predicted` accepted: each guess adds its acceptance rate to the expected tokens and one
+        token to the verification."""
         spent = self._clock() - t_round
-        expected = 1.0 + self._predicted * self._calib_ratio()
+        expected = 1.0 + predicted * self._calib_ratio()
         best_l, best = 0, expected / (spent + self._live.verify(nodes))
         for l, r in enumerate(self._lookup_rates(n), start=1):
             expected += r
