@@ -467,6 +467,40 @@ def test_prompt_lookup_sees_the_tokens_of_plain_steps():
     assert len(seen[-1]) > len(seen[1]) + 2  # the history grew across plain steps
 
 
+def test_draft_gate_is_told_the_head_levels_each_round_ran(tiny_pair):
+    """The gate models a drafted round as its head levels plus its verification: the levels it is
+    told are the draft LM head's calls that round, not the verified tree's depth."""
+    model, head = tiny_pair
+    # every level drafted, few nodes verified (each costs 0.6 steps): the tree is shallower than the draft
+    eng = Engine(model, head, tree="auto", costs=synthetic_costs(0.6, 0.001))
+    eng._worth_a_level = lambda *args: True
+    calls, seen = [0], []
+    real_logits = head.logits
+
+    def counting(f):
+        calls[0] += 1
+        return real_logits(f)
+
+    head.logits = counting
+    try:
+        gate = eng._gate_for(1)
+        real_observe = gate.observe
+
+        def observe(tokens, levels, nodes, seconds, backlog=False):
+            seen.append((levels, calls[0], nodes))
+            calls[0] = 0
+            real_observe(tokens, levels, nodes, seconds, backlog)
+
+        gate.observe = observe
+        gate.observe_plain = lambda seconds: calls.__setitem__(0, 0)
+        for ids in PROMPTS:
+            eng.generate(ids, 24)
+    finally:
+        del head.logits
+    assert seen and all(levels == n for levels, n, _ in seen)
+    assert any(levels > nodes for levels, _, nodes in seen)  # deeper than any tree of that many nodes
+
+
 def test_calibration_compares_what_the_head_predicted_with_what_was_accepted(tiny_pair):
     """The prediction travels with its tree: the overall ratio, and per sibling rank for sampled
     trees (clamped to [0.05, 2]); a dynamic tree's rounds feed it, a static tree's do not."""

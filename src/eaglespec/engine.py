@@ -86,6 +86,7 @@ class Prediction:
 
     total: float
     per_rank: list[float] | None = None
+    levels: int = 1  # head levels run (logits computed), deeper than the tree where a level's nodes lost
 
 
 Draft = tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers, Prediction | None]
@@ -440,8 +441,8 @@ class Engine:
             if gate is not None:  # the whole round, its bookkeeping included: a drafted round's is dearer
                 td = self._clock()
                 if use_tree:
-                    gate.observe(len(paths[0]) + 1, (drafted if drafted is not None else cur).max_depth, cur.n,
-                                 td - ta, backlog=not drafted_last)
+                    # the head levels run, which can outnumber the tree's depth (`auto` trees always predict)
+                    gate.observe(len(paths[0]) + 1, predicted.levels, cur.n, td - ta, backlog=not drafted_last)
                 else:
                     gate.observe_plain(td - ta)
             drafted_last = use_tree
@@ -573,7 +574,7 @@ class Engine:
         scores: list[float] = []
         feat: dict[int, torch.Tensor] = {-1: root_f}
         slots: list[int] = []  # candidates with a head-cache entry, in cache order
-        frontier, f, level_start = [-1], root_f, 0
+        frontier, f, level_start, levels = [-1], root_f, 0, 0
         for d in range(dyn.depth):
             if d > 0:
                 level = range(level_start, len(toks))
@@ -582,6 +583,7 @@ class Engine:
                     break
                 f = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
             top = torch.topk(torch.log_softmax(head.logits(f[0]).float() / temp, -1), k, dim=-1)
+            levels += 1
             vals, ids = top.values.tolist(), head.to_target_ids(top.indices).tolist()
             level_start = len(toks)
             for r, pi in enumerate(frontier):
@@ -598,7 +600,7 @@ class Engine:
             budget = dyn.total_tokens - 1
         chosen = select_nodes(scores, parents, budget)
         tree, order = self._tree_of(chosen, parents, ranks)
-        predicted = Prediction(sum(math.exp(scores[i]) for i in chosen))
+        predicted = Prediction(sum(math.exp(scores[i]) for i in chosen), levels=levels)
         return [[root] + [toks[i] for i in order]], [[None] * tree.n], tree, predicted
 
     def _grow_sampled(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
@@ -620,7 +622,7 @@ class Engine:
         laws: list[torch.Tensor | None] = []
         feat: dict[int, torch.Tensor] = {-1: root_f}
         slots: list[int] = []
-        frontier, f, level_start = [-1], root_f, 0
+        frontier, f, level_start, levels = [-1], root_f, 0, 0
         c = [self._rank_ratio(j) for j in range(k)]  # sampled siblings accept less the later they come
         for d in range(dyn.depth):
             if d > 0:
@@ -629,6 +631,7 @@ class Engine:
                     break
                 f = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
             q = torch.softmax(head.logits(f[0]).float() / temp, -1)  # (len(frontier), draft vocab)
+            levels += 1
             planned = torch.topk(q, k, dim=-1).values.tolist()
             slot_values = [[math.exp(0.0 if pi < 0 else scores[pi]) * p * c[j] for j, p in enumerate(planned[r])]
                            for r, pi in enumerate(frontier)]
@@ -657,7 +660,7 @@ class Engine:
                     laws.append(sibling_q(q_full[r], target_ids[r][:j], tok))
         tree, order = self._tree_of(list(range(len(toks))), parents, ranks)
         predicted = Prediction(sum(math.exp(x) for x in scores),
-                               [sum(math.exp(x) for x, j in zip(scores, ranks) if j == r) for r in range(k)])
+                               [sum(math.exp(x) for x, j in zip(scores, ranks) if j == r) for r in range(k)], levels)
         return [[root] + [toks[i] for i in order]], [[None] + [laws[i] for i in order]], tree, predicted
 
     def _tree_of(self, chosen: list[int], parents: list[int], ranks: list[int]) -> tuple[TreeBuffers, list[int]]:
