@@ -57,6 +57,17 @@ needs_skinny = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=[
                                   reason="the skinny kernel needs AVX-512F or AVX2 + FMA, and a C compiler")
 needs_bf16dot = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).bf16dot_available(),
                                    reason="the bf16-dot kernel needs AVX512-BF16")
+def engine_head_layer(fallback: type) -> type:
+    """The class the `Engine` gives the head's layers: 4 bits where the dot kernels run (int4-q8 with
+    AVX512-VNNI, else int4-dot), else `fallback`, the target's own kind."""
+    from eaglespec.kernels import bf16dot_available, q4q8_available
+    from eaglespec.quant import Int4DotLinear, Int4Q8Linear
+
+    if not bf16dot_available():
+        return fallback
+    return Int4Q8Linear if q4q8_available() else Int4DotLinear
+
+
 needs_q4q8 = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).q4q8_available(),
                                 reason="needs eaglespec's AVX512-VNNI kernel")
 
@@ -143,8 +154,7 @@ def test_skinny_bf16_kernel_is_the_fp32_kernel_on_the_rounded_weight_bitwise(bia
 @needs_skinny
 def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
     """A draft vocabulary of 50 tokens (not a multiple of 32) keeps a packed fp32 draft LM head."""
-    from eaglespec.kernels import bf16dot_available, q4q8_available
-    from eaglespec.quant import Bf16Linear, Int4DotLinear, Int4Q8Linear, PackedLinear
+    from eaglespec.quant import Bf16Linear, PackedLinear
 
     model = tiny_target("llama", seed=6)
     head = good_head(model)
@@ -153,8 +163,7 @@ def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
     eng = Engine(model, head, tree="chain:3")
     # every head drafts in 4 bits where the CPU has the dot kernels (its layers too); the draft LM head
     # of 50 rows (no whole blocks of 32) stays fp32
-    four = Int4Q8Linear if q4q8_available() else Int4DotLinear
-    assert type(head._packed_draft) is PackedLinear and type(head.fc) is (four if bf16dot_available() else Bf16Linear)
+    assert type(head._packed_draft) is PackedLinear and type(head.fc) is engine_head_layer(Bf16Linear)
     for ids in PROMPTS:
         assert eng.generate(ids, 30).token_ids == eng.generate(ids, 30, method="vanilla").token_ids
 
@@ -316,13 +325,8 @@ def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
     eng = Engine(model, head, tree=tree)  # packs the head the same way
     cls = {"bf16": Bf16Linear, "bf16-dot": Bf16DotLinear, "int4-dot": Int4DotLinear, "int4-q8": Int4Q8Linear}[kind]
     assert type(model.lm_head) is cls
-    from eaglespec.kernels import bf16dot_available
-
-    from eaglespec.kernels import q4q8_available
-
     # every head drafts in 4 bits where the CPU has the dot kernels, its own layers too
-    four = Int4Q8Linear if q4q8_available() else Int4DotLinear
-    assert type(head.fc) is (four if bf16dot_available() else cls)
+    assert type(head.fc) is engine_head_layer(cls)
     assert any(type(m).__name__ == "FusedLinear" for m in model.modules())  # q/k/v, gate/up as one call each
     eagle_equals_vanilla(eng, batch=tree == "paper")
 
@@ -455,12 +459,11 @@ def test_packed_target_eagle_equals_its_own_vanilla(kernel, monkeypatch):
         torch.testing.assert_close(model(x).logits, ref_model(x).logits, atol=1e-4, rtol=1e-4)
     eng = Engine(model, head)  # packs the head too: int4-dot where it runs (a draft need not be exact)
     from eaglespec.kernels import bf16dot_available, q4q8_available
-    from eaglespec.quant import Int4DotLinear, Int4Q8Linear
 
     dot = kernel == "skinny" and bf16dot_available()
     want = ("int4-q8" if q4q8_available() else "int4-dot") if dot else "packed"
     assert head._packed_draft is None and head.kernels == want
-    assert isinstance(head.fc, (Int4Q8Linear if q4q8_available() else Int4DotLinear) if dot else PackedLinear)
+    assert isinstance(head.fc, engine_head_layer(PackedLinear) if kernel == "skinny" else PackedLinear)
     for ids in PROMPTS:
         ref = hf_greedy(model, ids, 30)
         assert eng.generate(ids, 30, method="vanilla").token_ids == ref
@@ -712,12 +715,9 @@ def test_int4_target_eagle_equals_its_own_vanilla(tree, kernel, monkeypatch):
     head = good_head(model)
     quantize_weights(model, "int4")
     eng = Engine(model, head, tree=tree)  # packs the head: int4-dot where the CPU has it, else int4 too
-    from eaglespec.kernels import bf16dot_available
+    from eaglespec.quant import Int4Linear
 
-    from eaglespec.kernels import q4q8_available
-
-    four = ("Int4Q8Linear" if q4q8_available() else "Int4DotLinear") if bf16dot_available() else "Int4Linear"
-    assert head._packed_draft is None and type(head.fc).__name__ == four
+    assert head._packed_draft is None and type(head.fc) is engine_head_layer(Int4Linear)
     assert {m.skinny for m in model.modules() if type(m).__name__ == "Int4Linear"} == {kernel == "skinny"}
     eagle_equals_vanilla(eng, batch=tree != "dynamic:4,3,10")
 

@@ -507,8 +507,7 @@ class Engine:
         return self.head(parent_f, toks, pos, mask, head_cache, plan=plan)
 
     def _grow_static(self, root_f: torch.Tensor, roots: list[int], lens: list[int], head_cache: KVCache,
-                     sp: SamplingParams, gen: torch.Generator | None
-                     ) -> Draft:
+                     sp: SamplingParams, gen: torch.Generator | None) -> Draft:
         head, tree = self.head, self.tree
         B = len(roots)
         node_feat: dict[int, torch.Tensor] = {0: root_f}  # (B, 1, H) per expanded node
