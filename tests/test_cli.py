@@ -13,6 +13,13 @@ def run_subprocess(*args):
     return r.returncode, r.stdout, r.stderr
 
 
+@pytest.fixture(autouse=True)
+def cost_curves(tmp_path_factory, monkeypatch):
+    """The CLI's default tree on a CPU (auto+lookup) measures a cost curve once: into a cache of
+    this test session, not the user's (the subprocesses inherit it)."""
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cli_cache"))
+
+
 @pytest.fixture
 def run(capsys):
     """The CLI in-process (fast); `test_subprocess_exit_code` checks the real process once."""
@@ -40,6 +47,7 @@ def test_generate_json_eagle_equals_vanilla(tiny_dirs, gen):
     rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "20", "--json")
     assert rc == 0, err
     e = json.loads(out)
+    assert e["tree"] == "auto+lookup"  # the CPU's default tree
     for key in ("text", "token_ids", "new_tokens", "rounds", "tau", "accept_lengths", "time_s", "tokens_per_s",
                 "draft_time_s", "verify_time_s"):
         assert key in e
@@ -49,6 +57,13 @@ def test_generate_json_eagle_equals_vanilla(tiny_dirs, gen):
     rc, out, err = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "20", "--json", "--draft-vocab", "full")
     assert rc == 0, err
     assert json.loads(out)["token_ids"] == e["token_ids"]
+
+
+def test_default_tree_is_the_cost_curve_s_on_a_cpu_and_the_paper_s_elsewhere():
+    from eaglespec.cli import build_parser, default_tree
+
+    assert default_tree("cpu") == "auto+lookup" and default_tree("cuda:0") == default_tree("cuda") == "paper"
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).tree is None  # resolved by main per --device
 
 
 def test_generate_streams_text(tiny_dirs, gen):
@@ -222,7 +237,9 @@ def test_serve_subprocess_answers_and_stops(tiny_dirs):
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = p.stderr.readline()
-        assert line.startswith("eaglespec: serving tiny (eagle, tree paper) at http://127.0.0.1:"), line
+        while line.startswith("eaglespec: measuring"):  # the default tree's cost curve, before it listens
+            line = p.stderr.readline()
+        assert line.startswith("eaglespec: serving tiny (eagle, tree auto+lookup) at http://127.0.0.1:"), line
         body = {"model": "tiny", "messages": [{"role": "user", "content": "w30 w31 w32"}], "temperature": 0,
                 "max_tokens": 5}
         req = urllib.request.Request(line.split(" at ")[1].strip() + "/chat/completions", data=json.dumps(body).encode())
