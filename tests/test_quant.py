@@ -429,6 +429,72 @@ def test_packed_linear_runs_skinny_for_any_row_count_and_torch_for_training(monk
     assert not PackedLinear(torch.nn.Linear(64, 100)).skinny  # 100 outputs: oneDNN's packing instead
 
 
+def exact_weight(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
+    """A dequantized GGUF weight: per group of 32 inputs, 4-bit codes * an fp16 scale + an fp16 minimum
+    (Q4_1; codes 0 and 15 in every group, as Q4_1's rounding puts them) or int8 codes * an fp16 scale
+    (Q8_0; +-127 in every group), computed in fp32 as gguf's dequantizer does (the product is exact)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = (n, k // 32, 1)
+    scale = (torch.rand(groups, generator=g) * 0.02 + 1e-3).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+        q[..., 0], q[..., 1] = 0, 15
+        return (q * scale + (torch.randn(groups, generator=g) * 0.05).half().float()).view(n, k)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 127, -127
+    return (q * scale).view(n, k)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_exact_codes_give_the_fp32_kernel_s_bits_and_only_for_exact_weights(bits, kernel_isa):
+    from eaglespec import kernels
+    from eaglespec.quant import ExactInt4Linear, ExactInt8Linear
+
+    make = ExactInt4Linear if bits == 4 else ExactInt8Linear
+    lin = torch.nn.Linear(128, 96)
+    with torch.no_grad():
+        lin.weight.copy_(exact_weight(96, 128, bits))
+    layer = make.of(lin)
+    assert layer is not None
+    packed = kernels.pack_weight(lin.weight)
+    x = torch.randn(27, 128)
+    with torch.no_grad():
+        for m in (1, 2, 5, 12, 13, 27):  # across the passes over a block
+            assert torch.equal(layer(x[:m]), kernels.linear(x[:m], packed, lin.bias.detach()))
+        lin.weight[5, 40] = torch.nextafter(lin.weight[5, 40], torch.tensor(1.0))  # one bit off: not codes
+    assert make.of(lin) is None
+    assert make.of(torch.nn.Linear(100, 96)) is None  # no whole groups of 32 inputs: the fp32 kernel keeps it
+
+
+@needs_skinny
+def test_packed_target_streams_exact_codes_with_the_fp32_bits(monkeypatch):
+    from eaglespec import quant
+    from eaglespec.quant import ExactInt4Linear, ExactInt8Linear
+
+    def dequantized_gguf() -> torch.nn.Module:  # decoder layers Q4_1, the LM head Q8_0
+        model = tiny_target("llama", seed=6)
+        with torch.no_grad():
+            for i, lin in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+                lin.weight.copy_(exact_weight(*lin.weight.shape, 8 if lin is model.lm_head else 4, seed=i))
+        return model
+
+    model, ref = dequantized_gguf(), dequantized_gguf()
+    head = good_head(model)
+    pack_target(model)
+    monkeypatch.setattr(quant, "EXACT_CODES", False)
+    pack_target(ref)
+    assert isinstance(model.lm_head, ExactInt8Linear) and not hasattr(ref.config, "eaglespec_exact_codes")
+    layers = sum(isinstance(m, ExactInt4Linear) for m in model.modules())
+    assert layers == 4 * model.config.num_hidden_layers and model.config.eaglespec_exact_codes == layers + 1
+    x = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+    eng, eng_ref = Engine(model, head), Engine(ref, None)
+    for ids in PROMPTS:
+        want = eng_ref.generate(ids, 30, method="vanilla").token_ids
+        assert eng.generate(ids, 30, method="vanilla").token_ids == want == eng.generate(ids, 30).token_ids
+
+
 def use_kernel(kernel: str, monkeypatch) -> None:
     """"skinny": eaglespec's kernels (skip where they do not run); anything else ("onednn" for
     fp32, "torch" for int4): the fallback they leave to where they are unavailable."""

@@ -46,6 +46,25 @@ def test_cached_copy_is_bit_identical_to_gguf(smol):
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
+def test_fp32_layers_stream_as_their_exact_codes_with_the_same_bits(smol, monkeypatch):
+    """SmolLM2's fp32 weights are a dequantized GGUF (Q4_1 layers, a Q8_0 embedding): every linear
+    layer runs from its codes, and the logits are the fp32 weights' bit for bit."""
+    from eaglespec import quant
+    from eaglespec.models import load_target
+
+    model, tok = smol
+    assert model.config.eaglespec_exact_codes == 4 * model.config.num_hidden_layers + 1
+    assert isinstance(model.lm_head, quant.ExactInt8Linear)
+    monkeypatch.setattr(quant, "EXACT_CODES", False)
+    ref, _ = load_target("smollm2-135m-instruct")
+    assert isinstance(ref.lm_head, quant.PackedLinear)
+    ids = torch.tensor([chat(tok, PROMPTS[1])])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)  # a prefill: many rows per kernel call
+        one = torch.tensor([[ids[0, -1].item()]])
+        assert torch.equal(model(one).logits, ref(one).logits)  # a decode step's one row
+
+
 def test_greedy_equals_hf_generate_random_head(smol):
     model, tok = smol
     torch.manual_seed(0)

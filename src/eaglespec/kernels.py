@@ -101,7 +101,7 @@ def _lib() -> ctypes.CDLL | None:
     q4.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     q4.restype = None
-    for dot in ("skinny_linear_q4dot", "skinny_linear_q4dot_f32", "skinny_linear_q4q8"):
+    for dot in ("skinny_linear_q4dot", "skinny_linear_q4dot_f32", "skinny_linear_q4q8", "skinny_linear_q8"):
         if hasattr(lib, dot):
             getattr(lib, dot).argtypes, getattr(lib, dot).restype = q4.argtypes, None
     for extra in ("skinny_linear_bf16", "skinny_linear_bf16dot", "skinny_linear_bf16dot_f32"):
@@ -213,6 +213,20 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum
     if torch.compiler.is_compiling():
         return torch.ops.eaglespec.skinny_linear_q4(x, codes, scale, minimum, bias)
     return _run(_lib().skinny_linear_q4, x, codes.shape[1], codes.shape[0] * BLOCK, (codes, scale, minimum), bias)
+
+
+def pack_q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Codes q (N, K) in 0..255 and per-group scale, minimum (N, K / 32) -> skinny_linear_q8's layout:
+    (N / 32, K, 32) bytes and (N / 32, K / 32, 32) fp32 twice."""
+    n, k = q.shape
+    return q.to(torch.uint8).reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous(), _per_block(scale), \
+        _per_block(minimum)
+
+
+def linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T + bias for a 2-D fp32 x (M, K) and w = q * scale + minimum packed by `pack_q8`."""
+    return _run(_lib().skinny_linear_q8, x, codes.shape[1], codes.shape[0] * BLOCK, (codes, scale, minimum), bias)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ stay honest.
 
 from __future__ import annotations
 
+import os
+
 from functools import partial
 from typing import Callable
 
@@ -76,6 +78,7 @@ class Int4Linear(nn.Module):
     pack, kernel = staticmethod(kernels.pack_q4), staticmethod(kernels.linear_q4)
     needs = staticmethod(lambda: kernels.available())
     half_scales = False  # Int4Q8Linear: scale and minimum in fp16, as GGUF's Q4_1 keeps them
+    min_scale = 2.0 ** -14  # with half_scales: fp16's smallest normal
     inputs_per_step = 1  # inputs per packed k step as the C layer counts K (int4-q8 packs quads)
 
     def __init__(self, linear: nn.Linear, group_size: int = 32, keep_weight: bool = True):
@@ -89,7 +92,7 @@ class Int4Linear(nn.Module):
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15).clamp_min(1e-8)
         if self.half_scales:  # codes for the rounded scale and minimum (fp16's smallest normal at least)
-            scale, lo = scale.clamp_min(2.0 ** -14).half().float(), lo.half().float()
+            scale, lo = scale.clamp_min(self.min_scale).half().float(), lo.half().float()
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
         fits = kernels.fits_q4(n, k) and group_size == kernels.GROUP
         self.skinny = fits and self.needs()
@@ -177,6 +180,76 @@ class Int4Q8Linear(Int4Linear):
     inputs_per_step = kernels.Q4Q8_STEP
     pack, kernel = staticmethod(kernels.pack_q4q8), staticmethod(kernels.linear_q4q8)
     needs = staticmethod(lambda: kernels.q4q8_available())
+
+
+class ExactInt4Linear(Int4Linear):
+    """An fp32 layer whose every weight is a 4-bit code times an fp16 scale plus an fp16 minimum per
+    group of 32 inputs: what a dequantized GGUF Q4_1 (or Q4_0) weight is, and so every decoder layer
+    of our fp32 SmolLM2. Stored as those codes, scales and minima and run on the int4 kernel
+    (`kernels.linear_q4`), which dequantizes in registers to the same fp32 weights (q * scale is
+    exact, + minimum rounds once) and sums each row in the fp32 kernel's order: the fp32 layer's
+    output bit for bit from ~0.75 bytes a weight instead of 4. `of` builds one only where that
+    holds for every weight; the fp32 target is unchanged, its forward streams a quarter of the bytes."""
+
+    kind_name, half_scales, min_scale = "int4-exact", True, 2.0 ** -24  # fp16's subnormals too
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "ExactInt4Linear | None":
+        """The layer as exact codes, or None where some weight is not one (or the kernel cannot run it)."""
+        w = linear.weight.detach()
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not kernels.available() \
+                or not kernels.fits_q4(*w.shape) or not torch.isfinite(w).all():
+            return None
+        layer = cls(linear, keep_weight=True)
+        exact = layer.skinny and torch.equal(layer.weight, w)
+        layer._q = None  # the codes live on in the packed buffers; nothing reads decoder weights
+        return layer if exact else None
+
+
+class ExactInt8Linear(nn.Module):
+    """`ExactInt4Linear` for 8-bit codes: a weight that is an int8 code times an fp16 scale per group
+    of 32 inputs (a dequantized GGUF Q8_0: SmolLM2's embedding, which its LM head shares). Stored as
+    code + 128 with minimum -128 * scale (exact) and run on `kernels.linear_q8`: the fp32 layer's
+    output bit for bit from 1.25 bytes a weight. `weight` stays the fp32 one (the embedding's)."""
+
+    def __init__(self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared with a tied embedding; the draft head reads its rows
+        self.bias = linear.bias
+        packed = kernels.pack_q8(codes, scale, -128 * scale)
+        self._operands = (*packed, None if self.bias is None else self.bias.detach().float())
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "ExactInt8Linear | None":
+        """The layer as exact 8-bit codes, or None where some weight is not one (or the kernel cannot run it)."""
+        w = linear.weight.detach()
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not kernels.available() \
+                or not kernels.fits_q4(*w.shape) or not torch.isfinite(w).all():
+            return None
+        n, k = w.shape
+        g = w.view(n, k // kernels.GROUP, kernels.GROUP)
+        scale = (g.abs().amax(-1) / 127).half().float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(g / scale[..., None]).clamp(-128, 127) + 128
+        if not torch.equal(codes * scale[..., None] - 128 * scale[..., None], g):  # the product is exact: one rounding
+            return None
+        return cls(linear, codes.view(n, k), scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.float32 or x2.requires_grad:
+            y = nn.functional.linear(x2, self.weight.detach().to(x2.dtype), self.bias)
+        else:
+            y = kernels.linear_q8(x2, *self._operands)
+        return y.view(*shape[:-1], self.out_features)
+
+
+def exact_or_packed(linear: nn.Linear) -> nn.Module:
+    """An fp32 linear layer for eaglespec's kernels: `ExactInt4Linear` where its weights are exact
+    4-bit codes, else `PackedLinear`. Either gives the same output bits."""
+    return ExactInt4Linear.of(linear) or PackedLinear(linear)
 
 
 class Bf16Linear(nn.Module):
@@ -450,25 +523,35 @@ def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module],
     return module
 
 
-def pack_linears(module: nn.Module) -> nn.Module:
-    """Replace every fp32 CPU `nn.Linear` inside `module` by a `PackedLinear`, in place."""
+def pack_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module] = PackedLinear) -> nn.Module:
+    """Replace every fp32 CPU `nn.Linear` inside `module` by `make(it)` (a `PackedLinear`), in place."""
     if not packed_linear_available():
         return module
-    return replace_linears(module, PackedLinear, lambda m: type(m) is nn.Linear and m.weight.dtype == torch.float32
+    return replace_linears(module, make, lambda m: type(m) is nn.Linear and m.weight.dtype == torch.float32
                            and m.weight.device.type == "cpu")
+
+
+EXACT_CODES = os.environ.get("EAGLESPEC_EXACT_CODES", "1") != "0"  # fp32 layers as their exact 4-bit codes where they are
 
 
 def pack_target(model: nn.Module, fuse: bool = True) -> nn.Module:
     """Pack the decoder's linear layers and the LM head of a causal LM (outputs equal up to float
-    rounding). ``fuse``: `eager_fast_paths` on eaglespec's kernel, as for the quantized targets (the
-    same bits as unfused); not for `torch.compile` (see `quantize_weights`)."""
+    rounding), each decoder layer as exact 4-bit codes where its weights are (`ExactInt4Linear`:
+    a dequantized GGUF's; the same output bits). ``fuse``: `eager_fast_paths` on eaglespec's kernel,
+    as for the quantized targets (the same bits as unfused); not for `torch.compile` (see
+    `quantize_weights`)."""
+    make = exact_or_packed if EXACT_CODES and fuse else PackedLinear
     if fuse and kernels.available():
-        eager_fast_paths(model.get_decoder(), PackedLinear)
-    pack_linears(model.get_decoder())
+        eager_fast_paths(model.get_decoder(), make)
+    pack_linears(model.get_decoder(), make)
     head = model.get_output_embeddings()
     if type(head) is nn.Linear and packed_linear_available():
-        model.set_output_embeddings(PackedLinear(head))
+        exact = ExactInt8Linear.of(head) if EXACT_CODES and fuse else None
+        model.set_output_embeddings(exact or PackedLinear(head))
     model.config.eaglespec_kernels = "packed"
     skinny = any(getattr(m, "skinny", False) for m in model.modules())
     model.config.eaglespec_packed_kernel = kernels.name() if skinny else "oneDNN"
+    exact = sum(isinstance(m, (ExactInt4Linear, ExactInt8Linear)) for m in model.modules())
+    if exact:  # also keys the cost curve apart from the fp32 weights'
+        model.config.eaglespec_exact_codes = exact
     return model

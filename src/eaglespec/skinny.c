@@ -368,6 +368,47 @@ void skinny_linear_q4(const float *x, long M, long K, const unsigned char *qp, c
     }
 }
 
+/* The 8-bit variant (ExactInt8Linear: a dequantized GGUF Q8_0 weight as its codes). qp: (N / 32, K, 32)
+ * bytes, byte j of step k holding column j; sp, mp as skinny_linear_q4's. w = q * scale + minimum in
+ * one fused rounding, summed in skinny_linear's order, so exact codes give its bits. K % 32 == 0. */
+#ifdef __AVX512F__
+#define CODE_BYTES(p) _mm_loadu_si128((const __m128i *)(p))
+#else
+#define CODE_BYTES(p) _mm_loadl_epi64((const __m128i *)(p))
+#endif
+static inline void block_q8(int mr, const float *x, long K, const unsigned char *qp, const float *sp,
+                            const float *mp, float *y, long ldy, const float *bias) {
+    vec acc[MRQ][NV];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = vzero();
+#define STEPS_Q8(R)                                                                           \
+    for (long g = 0; g < K / 32; g++) {                                                       \
+        vec s[NV], m[NV];                                                                     \
+        for (int v = 0; v < NV; v++) s[v] = vload(sp + g * NR + v * VW), m[v] = vload(mp + g * NR + v * VW); \
+        for (long k = g * 32; k < g * 32 + 32; k++) {                                         \
+            if (!(k & 1)) _mm_prefetch((const char *)(qp + (k + 2 * PFD) * 32), _MM_HINT_T0); \
+            vec w[NV];                                                                        \
+            for (int v = 0; v < NV; v++) w[v] = vfma(CODES(CODE_BYTES(qp + k * 32 + v * VW)), s[v], m[v]); \
+            ROWS(R)                                                                           \
+        }                                                                                     \
+    }
+    CASES(STEPS_Q8, MRQ)
+    store(mr, acc, y, ldy, bias);
+}
+
+void skinny_linear_q8(const float *x, long M, long K, const unsigned char *qp, const float *sp, const float *mp,
+                      long N, const float *bias, float *y, int threads) {
+    long blocks = N / NR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        for (long m0 = 0; m0 < M; m0 += MRQ) {
+            int mr = (M - m0) < MRQ ? (int)(M - m0) : MRQ;
+            block_q8(mr, x + m0 * K, K, qp + b * K * 32, sp + b * (K / 32) * NR, mp + b * (K / 32) * NR,
+                     y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);
+        }
+    }
+}
+
 #ifdef __AVX512F__
 /* Row-exact attention for few query rows (see attention.py): each (row, head) attends over its own
  * list of keys, the first n cache positions and then `tail` positions (a tree node's ancestors), in

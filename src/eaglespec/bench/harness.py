@@ -94,6 +94,7 @@ class BenchConfig:
     packed: bool | None = None  # every method runs the same target with pre-packed fp32 weights; None: auto
     compile: bool = False  # every method runs the same torch.compile'd target
     packed_kernel: str = ""  # set by run_bench: "skinny" / "skinny-avx2" (eaglespec's kernels) or "oneDNN"
+    exact_codes: int = 0  # set by run_bench: fp32 layers stored as their exact codes (quant.ExactInt4Linear / ExactInt8Linear)
     batch_sizes: tuple[int, ...] = (1,)  # > 1: also the batch throughput table (vanilla vs eagle)
     extra: dict = field(default_factory=dict)
 
@@ -215,6 +216,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     model, tok = load_target(cfg.model, quantize=cfg.quantize, packed=cfg.packed, compile=cfg.compile)
     cfg.packed = getattr(model.config, "eaglespec_kernels", None) == "packed"  # what `None` (auto) chose
     cfg.packed_kernel = getattr(model.config, "eaglespec_packed_kernel", "")  # fp32 packed or int4: which kernel
+    cfg.exact_codes = getattr(model.config, "eaglespec_exact_codes", 0)  # fp32 layers streamed as their exact codes
     head = EagleDraftHead.from_pretrained(cfg.head, model, draft_vocab=cfg.draft_vocab) if cfg.head else None
     runner = Runner(model, tok, head, cfg)
     out = Path(cfg.out)
@@ -405,6 +407,8 @@ def _f(x, nd=2, pct=False, unit=""):
 def report_markdown(result: dict) -> str:
     cfg, mach = result["config"], result["machine"]
     packed = f" ({cfg.get('packed_kernel') or 'oneDNN'} pre-packed)" if cfg.get("packed") else ""
+    if cfg.get("packed") and cfg.get("exact_codes"):
+        packed = f" ({cfg['exact_codes']} layers as their exact 4- and 8-bit codes, {cfg.get('packed_kernel')})"
     if cfg.get("quantize") == "int4":
         kernel = cfg.get("packed_kernel") or ""
         packed = (f" (eaglespec's 4-bit kernel{', AVX2' if kernel.endswith('avx2') else ''})"
