@@ -49,8 +49,8 @@ TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTA
 
 def default_tree(device: str) -> str:
     """The tree when --tree is not given. On a CPU a verified token costs arithmetic, and the paper's
-    26-node tree costs ~2x a step: measured in one process on SmolLM2 (2 Zen 4 cores), EAGLE with it
-    decoded at 1.22x fp32 vanilla and 0.50x int4-q8's, with auto+lookup at 1.75x and 1.15x. A GPU
+    26-node tree costs 2-5x a step: measured in one process on SmolLM2 (2 Zen 5 cores), EAGLE with
+    it decoded at 0.37x fp32 vanilla and 0.50x int4-q8's, with auto+lookup at 1.17x and 1.15x. A GPU
     verifies the paper's tree for about the price of a step (the paper's setting)."""
     return "auto+lookup" if device.split(":")[0] == "cpu" else "paper"
 
