@@ -182,6 +182,16 @@ class Int4Q8Linear(Int4Linear):
     needs = staticmethod(lambda: kernels.q4q8_available())
 
 
+def _codes_candidate(linear: nn.Linear) -> torch.Tensor | None:
+    """The weight, if it is one the exact-code kernels could hold: fp32 on the CPU, finite, in whole
+    blocks of 32 outputs and groups of 32 inputs, with eaglespec's kernels built here."""
+    w = linear.weight.detach()
+    if w.dtype != torch.float32 or w.device.type != "cpu" or not kernels.available() \
+            or not kernels.fits_q4(*w.shape) or not torch.isfinite(w).all():
+        return None
+    return w
+
+
 class ExactInt4Linear(Int4Linear):
     """An fp32 layer whose every weight is a 4-bit code times an fp16 scale plus an fp16 minimum per
     group of 32 inputs: what a dequantized GGUF Q4_1 (or Q4_0) weight is, and so every decoder layer
@@ -196,9 +206,8 @@ class ExactInt4Linear(Int4Linear):
     @classmethod
     def of(cls, linear: nn.Linear) -> "ExactInt4Linear | None":
         """The layer as exact codes, or None where some weight is not one (or the kernel cannot run it)."""
-        w = linear.weight.detach()
-        if w.dtype != torch.float32 or w.device.type != "cpu" or not kernels.available() \
-                or not kernels.fits_q4(*w.shape) or not torch.isfinite(w).all():
+        w = _codes_candidate(linear)
+        if w is None:
             return None
         layer = cls(linear, keep_weight=True)
         exact = layer.skinny and torch.equal(layer.weight, w)
@@ -223,9 +232,8 @@ class ExactInt8Linear(nn.Module):
     @classmethod
     def of(cls, linear: nn.Linear) -> "ExactInt8Linear | None":
         """The layer as exact 8-bit codes, or None where some weight is not one (or the kernel cannot run it)."""
-        w = linear.weight.detach()
-        if w.dtype != torch.float32 or w.device.type != "cpu" or not kernels.available() \
-                or not kernels.fits_q4(*w.shape) or not torch.isfinite(w).all():
+        w = _codes_candidate(linear)
+        if w is None:
             return None
         n, k = w.shape
         g = w.view(n, k // kernels.GROUP, kernels.GROUP)

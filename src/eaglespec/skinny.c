@@ -325,22 +325,15 @@ void skinny_linear_q4q8(const float *x, long M, long K, const unsigned char *qp,
  * w = q * scale + minimum (one fused rounding, the same for every row count). K % 32 == 0.
  * A block streams 16 bytes per k step instead of 128: the dequantization, not memory, sets the
  * time, and it is paid once per k step for all rows of a pass. */
-static inline void block_q4(int mr, const float *x, long K, const unsigned char *qp, const float *sp,
-                            const float *mp, float *y, long ldy, const float *bias) {
-    vec acc[MRQ][NV];
-    const __m128i low = _mm_set1_epi8(0x0F);
-    for (int i = 0; i < mr; i++)
-        for (int v = 0; v < NV; v++) acc[i][v] = vzero();
-#define STEPS_Q4(R)                                                                           \
+/* a 4- or 8-bit block's k steps: per group of 32 its scale and minimum, then per k step the NV weight
+ * vectors w = code * scale + minimum (QLOAD(), one fused rounding) used for R rows */
+#define GROUP_STEPS(R, QLOAD)                                                                 \
     for (long g = 0; g < K / 32; g++) {                                                       \
         vec s[NV], m[NV];                                                                     \
         for (int v = 0; v < NV; v++) s[v] = vload(sp + g * NR + v * VW), m[v] = vload(mp + g * NR + v * VW); \
         for (long k = g * 32; k < g * 32 + 32; k++) {                                         \
-            if (!(k & 3)) _mm_prefetch((const char *)(qp + (k + 4 * PFD) * 16), _MM_HINT_T0); \
-            __m128i b = _mm_loadu_si128((const __m128i *)(qp + k * 16));                     \
-            __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low); \
             vec w[NV];                                                                        \
-            DEQUANT                                                                           \
+            QLOAD()                                                                           \
             ROWS(R)                                                                           \
         }                                                                                     \
     }
@@ -351,22 +344,38 @@ static inline void block_q4(int mr, const float *x, long K, const unsigned char 
     w[0] = vfma(CODES(lo), s[0], m[0]); w[1] = vfma(CODES(_mm_srli_si128(lo, 8)), s[1], m[1]); \
     w[2] = vfma(CODES(hi), s[2], m[2]); w[3] = vfma(CODES(_mm_srli_si128(hi, 8)), s[3], m[3]);
 #endif
+#define Q4_LOAD()                                                                             \
+    if (!(k & 3)) _mm_prefetch((const char *)(qp + (k + 4 * PFD) * 16), _MM_HINT_T0);        \
+    __m128i b = _mm_loadu_si128((const __m128i *)(qp + k * 16));                              \
+    __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);       \
+    DEQUANT
+#define STEPS_Q4(R) GROUP_STEPS(R, Q4_LOAD)
+static inline void block_q4(int mr, const float *x, long K, const unsigned char *qp, const float *sp,
+                            const float *mp, float *y, long ldy, const float *bias) {
+    vec acc[MRQ][NV];
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = vzero();
     CASES(STEPS_Q4, MRQ)
     store(mr, acc, y, ldy, bias);
 }
 
-void skinny_linear_q4(const float *x, long M, long K, const unsigned char *qp, const float *sp, const float *mp,
-                      long N, const float *bias, float *y, int threads) {
-    long blocks = N / NR;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        for (long m0 = 0; m0 < M; m0 += MRQ) {
-            int mr = (M - m0) < MRQ ? (int)(M - m0) : MRQ;
-            block_q4(mr, x + m0 * K, K, qp + b * K * 16, sp + b * (K / 32) * NR, mp + b * (K / 32) * NR,
-                     y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);
-        }
-    }
+/* The 4- and 8-bit kernels' outer loop: blocks over the threads, rows MRQ at a time (BYTES: code
+ * bytes per k step of a block) */
+#define QUANT_LINEAR(NAME, BLOCK, BYTES)                                                      \
+void NAME(const float *x, long M, long K, const unsigned char *qp, const float *sp, const float *mp, \
+          long N, const float *bias, float *y, int threads) {                                \
+    long blocks = N / NR;                                                                     \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                         \
+    for (long b = 0; b < blocks; b++) {                                                       \
+        for (long m0 = 0; m0 < M; m0 += MRQ) {                                                \
+            int mr = (M - m0) < MRQ ? (int)(M - m0) : MRQ;                                    \
+            BLOCK(mr, x + m0 * K, K, qp + b * K * BYTES, sp + b * (K / 32) * NR, mp + b * (K / 32) * NR, \
+                  y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);                          \
+        }                                                                                     \
+    }                                                                                         \
 }
+QUANT_LINEAR(skinny_linear_q4, block_q4, 16)
 
 /* The 8-bit variant (ExactInt8Linear: a dequantized GGUF Q8_0 weight as its codes). qp: (N / 32, K, 32)
  * bytes, byte j of step k holding column j; sp, mp as skinny_linear_q4's. w = q * scale + minimum in
@@ -376,38 +385,19 @@ void skinny_linear_q4(const float *x, long M, long K, const unsigned char *qp, c
 #else
 #define CODE_BYTES(p) _mm_loadl_epi64((const __m128i *)(p))
 #endif
+#define Q8_LOAD()                                                                             \
+    if (!(k & 1)) _mm_prefetch((const char *)(qp + (k + 2 * PFD) * 32), _MM_HINT_T0);        \
+    for (int v = 0; v < NV; v++) w[v] = vfma(CODES(CODE_BYTES(qp + k * 32 + v * VW)), s[v], m[v]);
+#define STEPS_Q8(R) GROUP_STEPS(R, Q8_LOAD)
 static inline void block_q8(int mr, const float *x, long K, const unsigned char *qp, const float *sp,
                             const float *mp, float *y, long ldy, const float *bias) {
     vec acc[MRQ][NV];
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < NV; v++) acc[i][v] = vzero();
-#define STEPS_Q8(R)                                                                           \
-    for (long g = 0; g < K / 32; g++) {                                                       \
-        vec s[NV], m[NV];                                                                     \
-        for (int v = 0; v < NV; v++) s[v] = vload(sp + g * NR + v * VW), m[v] = vload(mp + g * NR + v * VW); \
-        for (long k = g * 32; k < g * 32 + 32; k++) {                                         \
-            if (!(k & 1)) _mm_prefetch((const char *)(qp + (k + 2 * PFD) * 32), _MM_HINT_T0); \
-            vec w[NV];                                                                        \
-            for (int v = 0; v < NV; v++) w[v] = vfma(CODES(CODE_BYTES(qp + k * 32 + v * VW)), s[v], m[v]); \
-            ROWS(R)                                                                           \
-        }                                                                                     \
-    }
     CASES(STEPS_Q8, MRQ)
     store(mr, acc, y, ldy, bias);
 }
-
-void skinny_linear_q8(const float *x, long M, long K, const unsigned char *qp, const float *sp, const float *mp,
-                      long N, const float *bias, float *y, int threads) {
-    long blocks = N / NR;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        for (long m0 = 0; m0 < M; m0 += MRQ) {
-            int mr = (M - m0) < MRQ ? (int)(M - m0) : MRQ;
-            block_q8(mr, x + m0 * K, K, qp + b * K * 32, sp + b * (K / 32) * NR, mp + b * (K / 32) * NR,
-                     y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);
-        }
-    }
-}
+QUANT_LINEAR(skinny_linear_q8, block_q8, 32)
 
 #ifdef __AVX512F__
 /* Row-exact attention for few query rows (see attention.py): each (row, head) attends over its own
