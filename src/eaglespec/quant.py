@@ -539,13 +539,14 @@ def pack_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module] = Pac
                            and m.weight.device.type == "cpu")
 
 
-EXACT_CODES = os.environ.get("EAGLESPEC_EXACT_CODES", "1") != "0"  # fp32 layers as their exact 4-bit codes where they are
+EXACT_CODES = os.environ.get("EAGLESPEC_EXACT_CODES", "1") != "0"  # fp32 layers as their exact 4- / 8-bit codes where they are
 
 
 def pack_target(model: nn.Module, fuse: bool = True) -> nn.Module:
     """Pack the decoder's linear layers and the LM head of a causal LM (outputs equal up to float
-    rounding), each decoder layer as exact 4-bit codes where its weights are (`ExactInt4Linear`:
-    a dequantized GGUF's; the same output bits). ``fuse``: `eager_fast_paths` on eaglespec's kernel,
+    rounding), each decoder layer as exact 4-bit codes and the LM head as exact 8-bit ones where its
+    weights are (`ExactInt4Linear`, `ExactInt8Linear`: a dequantized GGUF's; the same output bits; not
+    with ``fuse=False``, for `torch.compile`). ``fuse``: `eager_fast_paths` on eaglespec's kernel,
     as for the quantized targets (the same bits as unfused); not for `torch.compile` (see
     `quantize_weights`)."""
     make = exact_or_packed if EXACT_CODES and fuse else PackedLinear
