@@ -466,13 +466,19 @@ class Engine:
         counts = [len(r.pending[1]) for r in rows]
         B, c = len(rows), max(counts)
         start = head_cache.get_seq_length()
+        if B == 1:  # one sequence (every dynamic tree): no padding to fill
+            r = rows[0]
+            feats = (r.pending[0][0] if len(r.pending[0]) == 1 else torch.cat(r.pending[0]))[None]
+            toks = torch.tensor([r.pending[1]], device=self.device)
+            self.head.add_context(toks[0])
+        else:
+            feats = torch.zeros(B, c, rows[0].pending[0][0].shape[-1], dtype=self.dtype, device=self.device)
+            toks = torch.zeros(B, c, dtype=torch.long, device=self.device)
+            for b, r in enumerate(rows):
+                torch.cat(r.pending[0], out=feats[b, : counts[b]])
+                toks[b, : counts[b]] = torch.tensor(r.pending[1], device=self.device)
+                self.head.add_context(toks[b, : counts[b]])
         hl = torch.tensor([r.head_len for r in rows], device=self.device)
-        feats = torch.zeros(B, c, rows[0].pending[0][0].shape[-1], dtype=self.dtype, device=self.device)
-        toks = torch.zeros(B, c, dtype=torch.long, device=self.device)
-        for b, r in enumerate(rows):
-            torch.cat(r.pending[0], out=feats[b, : counts[b]])
-            toks[b, : counts[b]] = torch.tensor(r.pending[1], device=self.device)
-            self.head.add_context(toks[b, : counts[b]])
         pos = hl[:, None] + torch.arange(c, device=self.device)
         mask = None
         ragged = any(r.head_len != start for r in rows)  # rows of a batch (or what is left of one)
@@ -581,7 +587,8 @@ class Engine:
                 if dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
                     break
                 f = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
-            top = torch.topk(torch.log_softmax(head.logits(f[0]).float() / temp, -1), k, dim=-1)
+            logits = head.logits(f[0]).float()
+            top = torch.topk(torch.log_softmax(logits if temp == 1.0 else logits / temp, -1), k, dim=-1)
             levels += 1
             vals, ids = top.values.tolist(), head.to_target_ids(top.indices).tolist()
             level_start = len(toks)

@@ -9,7 +9,8 @@ parent comes before its children and every depth level is one contiguous slice.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -208,7 +209,9 @@ def parse_tree(spec: str | list[list[int]]) -> list[list[int]]:
 class TreeBuffers:
     """Everything about one tree shape, computed once.
 
-    Index 0 is the root; ``n = len(paths) + 1`` nodes in all.
+    Index 0 is the root; ``n = len(paths) + 1`` nodes in all. What only a static tree's drafting
+    reads is computed on first use: a dynamic tree is built anew every round (twice with a lookup
+    graft) and never reads it.
     """
 
     paths: list[tuple[int, ...]]  # path of every node, () for the root
@@ -220,18 +223,38 @@ class TreeBuffers:
     ancestor_mask: torch.Tensor  # (n, n) bool: row i sees column j (j is i or an ancestor of i)
     ancestors: list[list[int]]  # the same as lists: row i's True columns, ascending
     position_offsets: torch.Tensor  # (n,) long: depth of each node, added to the root's position
-    retrieve: torch.Tensor  # (leaves, max_depth + 1) long: root-to-leaf node indices, padded with -1
-    # Drafting: per level d, which nodes of depth d get a draft-head step (those with children),
-    # and how many top candidates each needs (max child rank + 1).
-    expand_nodes: list[list[int]] = field(default_factory=list)
-    expand_topk: list[int] = field(default_factory=list)
-    # Head-side tree attention: the expanded nodes of depth >= 1 get draft-head cache entries in
-    # level order; draft_masks[d] (d >= 1) says which of the entries so far each level-d node sees.
-    draft_masks: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def n(self) -> int:
         return len(self.paths)
+
+    @cached_property
+    def retrieve(self) -> torch.Tensor:
+        """(leaves, max_depth + 1) long: root-to-leaf node indices, padded with -1."""
+        leaves = [i for i in range(self.n) if not self.children[i]]
+        return torch.tensor([self.ancestors[leaf] + [-1] * (self.max_depth + 1 - len(self.ancestors[leaf]))
+                             for leaf in leaves], dtype=torch.long)
+
+    @cached_property
+    def expand_nodes(self) -> list[list[int]]:
+        """Drafting, per level d: the nodes of depth d that get a draft-head step (those with children)."""
+        return [[i for i in range(self.n) if self.depth[i] == d and self.children[i]] for d in range(self.max_depth)]
+
+    @cached_property
+    def expand_topk(self) -> list[int]:
+        """Per level: how many top candidates each expanded node needs (its largest child rank + 1)."""
+        return [max(self.rank[c] for i in nodes for c in self.children[i]) + 1 for nodes in self.expand_nodes]
+
+    @cached_property
+    def draft_masks(self) -> list[torch.Tensor]:
+        """Head-side tree attention: the expanded nodes of depth >= 1 get draft-head cache entries in
+        level order; draft_masks[d] (d >= 1) says which of the entries so far each level-d node sees."""
+        slots: list[int] = []
+        masks = [torch.zeros(0, 0, dtype=torch.bool)]
+        for d in range(1, self.max_depth):
+            slots += self.expand_nodes[d]
+            masks.append(visible([self.ancestors[i] for i in self.expand_nodes[d]], slots))
+        return masks
 
 
 def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
@@ -263,22 +286,6 @@ def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
     ancestors = [lineage(i, parent) for i in range(n)]  # the nodes each sees: its ancestors and itself, ascending
     mask = visible(ancestors, range(n))
 
-    leaves = [i for i in range(n) if not children[i]]
-    retrieve = torch.tensor([ancestors[leaf] + [-1] * (max_depth + 1 - len(ancestors[leaf])) for leaf in leaves],
-                            dtype=torch.long)
-
-    expand_nodes, expand_topk = [], []
-    for d in range(max_depth):
-        nodes = [i for i in range(n) if depth[i] == d and children[i]]
-        expand_nodes.append(nodes)
-        expand_topk.append(max(rank[c] for i in nodes for c in children[i]) + 1)
-
-    slots: list[int] = []
-    draft_masks = [torch.zeros(0, 0, dtype=torch.bool)]
-    for d in range(1, max_depth):
-        slots += expand_nodes[d]
-        draft_masks.append(visible([ancestors[i] for i in expand_nodes[d]], slots))
-
     return TreeBuffers(
         paths=all_paths,
         parent=parent,
@@ -289,10 +296,6 @@ def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
         ancestor_mask=mask,
         ancestors=ancestors,
         position_offsets=torch.tensor(depth, dtype=torch.long),
-        retrieve=retrieve,
-        expand_nodes=expand_nodes,
-        expand_topk=expand_topk,
-        draft_masks=draft_masks,
     )
 
 
