@@ -431,8 +431,9 @@ def test_packed_linear_runs_skinny_for_any_row_count_and_torch_for_training(monk
 
 def exact_weight(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
     """A dequantized GGUF weight: per group of 32 inputs, 4-bit codes * an fp16 scale + an fp16 minimum
-    (Q4_1; codes 0 and 15 in every group, as Q4_1's rounding puts them) or int8 codes * an fp16 scale
-    (Q8_0; +-127 in every group), computed in fp32 as gguf's dequantizer does (the product is exact)."""
+    (bits 4: Q4_1; codes 0 and 15 in every group, as Q4_1's rounding puts them), or signed codes * an
+    fp16 scale, each group (bits 8) Q8_0 (+-127 in it), Q5_0 (-16 in it) or Q4_0 (-8 in it), computed
+    in fp32 as gguf's dequantizer does (the product is exact)."""
     g = torch.Generator().manual_seed(seed)
     groups = (n, k // 32, 1)
     scale = (torch.rand(groups, generator=g) * 0.02 + 1e-3).half().float()
@@ -440,8 +441,9 @@ def exact_weight(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
         q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
         q[..., 0], q[..., 1] = 0, 15
         return (q * scale + (torch.randn(groups, generator=g) * 0.05).half().float()).view(n, k)
-    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 127, -127
+    top = torch.tensor([127.0, 16.0, 8.0])[torch.randint(0, 3, groups, generator=g)]  # Q8_0, Q5_0, Q4_0 groups
+    q = torch.minimum(torch.floor(torch.rand(n, k // 32, 32, generator=g) * (2 * top + 1)) - top, top - (top < 127).float())
+    q[..., :1] = -top
     return (q * scale).view(n, k)
 
 
@@ -471,21 +473,23 @@ def test_packed_target_streams_exact_codes_with_the_fp32_bits(monkeypatch):
     from eaglespec import quant
     from eaglespec.quant import ExactInt4Linear, ExactInt8Linear
 
-    def dequantized_gguf() -> torch.nn.Module:  # decoder layers Q4_1, the LM head Q8_0
+    def dequantized_gguf() -> torch.nn.Module:  # layer 0 Q4_1, layer 1 signed codes, the LM head Q8_0
         model = tiny_target("llama", seed=6)
         with torch.no_grad():
-            for i, lin in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
-                lin.weight.copy_(exact_weight(*lin.weight.shape, 8 if lin is model.lm_head else 4, seed=i))
+            for i, (name, lin) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)):
+                lin.weight.copy_(exact_weight(*lin.weight.shape, 4 if ".layers.0." in name else 8, seed=i))
         return model
 
-    model, ref = dequantized_gguf(), dequantized_gguf()
+    model, ref = dequantized_gguf(), dequantized_gguf()  # (bits 8: the Q8_0 / Q5_0 / Q4_0 groups of Qwen2.5's GGUF)
     head = good_head(model)
     pack_target(model)
     monkeypatch.setattr(quant, "EXACT_CODES", False)
     pack_target(ref)
     assert isinstance(model.lm_head, ExactInt8Linear) and not hasattr(ref.config, "eaglespec_exact_codes")
-    layers = sum(isinstance(m, ExactInt4Linear) for m in model.modules())
-    assert layers == 4 * model.config.num_hidden_layers and model.config.eaglespec_exact_codes == layers + 1
+    four, eight = (sum(isinstance(m, kind) for m in model.model.layers.modules()) for kind in (ExactInt4Linear, ExactInt8Linear))
+    assert four == eight == 4 and model.config.eaglespec_exact_codes == four + eight + 1  # q/k/v, o, gate/up, down
+    from eaglespec.lean import one_call_layers
+    assert one_call_layers(model.model) == one_call_layers(ref.model)  # 8-bit codes in the one-call layers too
     x = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         assert torch.equal(model(x).logits, ref(x).logits)

@@ -329,7 +329,7 @@ def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pla
 
 
 class LinearSpec(NamedTuple):
-    """A linear layer as `decoder_layer` calls it: the kernel ("f32", "bf16", "q4", "bf16dot", "q4dot", "q4q8"),
+    """A linear layer as `decoder_layer` calls it: the kernel ("f32", "bf16", "q4", "bf16dot", "q4dot", "q4q8", "q8"),
     K as that kernel counts inputs (pairs for the -dot kinds), N outputs, its packed operands, a bias."""
     kind: str
     k: int
@@ -338,7 +338,7 @@ class LinearSpec(NamedTuple):
     bias: torch.Tensor | None
 
 
-_LIN_KINDS = {"f32": 0, "bf16": 1, "q4": 2, "bf16dot": 3, "q4dot": 4, "q4q8": 5}  # skinny.c's LIN_* values
+_LIN_KINDS = {"f32": 0, "bf16": 1, "q4": 2, "bf16dot": 3, "q4dot": 4, "q4q8": 5, "q8": 6}  # skinny.c's LIN_* values
 
 
 class _Lin(ctypes.Structure):

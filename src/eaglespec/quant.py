@@ -216,38 +216,56 @@ class ExactInt4Linear(Int4Linear):
 
 
 class ExactInt8Linear(nn.Module):
-    """`ExactInt4Linear` for 8-bit codes: a weight that is an int8 code times an fp16 scale per group
-    of 32 inputs (a dequantized GGUF Q8_0: SmolLM2's embedding, which its LM head shares). Stored as
-    code + 128 with minimum -128 * scale (exact) and run on `kernels.linear_q8`: the fp32 layer's
-    output bit for bit from 1.25 bytes a weight. `weight` stays the fp32 one (the embedding's)."""
+    """`ExactInt4Linear` for 8-bit codes: a weight that is a signed integer code times an fp16 scale
+    per group of 32 inputs: a dequantized GGUF Q8_0 (codes -127..127: SmolLM2's embedding, which its
+    LM head shares; Qwen2.5's LM head and value projections), Q5_0 (-16..15: most of Qwen2.5's
+    layers) or Q4_0 (-8..7), each group in whichever form reproduces it. Stored as code + 128 with
+    minimum -128 * scale (exact) and run on `kernels.linear_q8`: the fp32 layer's output bit for bit
+    from 1.25 bytes a weight. `weight` stays the fp32 one (a tied embedding's)."""
 
-    def __init__(self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor):
+    CODE_RANGES = (127, 16, 8)  # the largest |code| of Q8_0, Q5_0 and Q4_0: each group's scale is max |w| / that
+
+    def __init__(self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, keep_weight: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight  # shared with a tied embedding; the draft head reads its rows
+        # an LM head's: shared with a tied embedding, the draft head reads its rows; a decoder layer's: dropped
+        self.weight = linear.weight if keep_weight else None
         self.bias = linear.bias
         packed = kernels.pack_q8(codes, scale, -128 * scale)
         self._operands = (*packed, None if self.bias is None else self.bias.detach().float())
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> "ExactInt8Linear | None":
+    def of(cls, linear: nn.Linear, keep_weight: bool = True) -> "ExactInt8Linear | None":
         """The layer as exact 8-bit codes, or None where some weight is not one (or the kernel cannot run it)."""
         w = _codes_candidate(linear)
         if w is None:
             return None
         n, k = w.shape
         g = w.view(n, k // kernels.GROUP, kernels.GROUP)
-        scale = (g.abs().amax(-1) / 127).half().float()
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(g / scale[..., None]).clamp(-128, 127) + 128
-        if not torch.equal(codes * scale[..., None] - 128 * scale[..., None], g):  # the product is exact: one rounding
+        amax = g.abs().amax(-1)
+        scale, codes = torch.ones_like(amax), torch.full_like(g, 128.0)  # all-zero groups: code 0, any scale
+        todo = amax > 0
+        for top in cls.CODE_RANGES:
+            s = (amax / top).half().float()
+            q = torch.round(g / s[..., None]).clamp(-128, 127) + 128
+            # the product is exact in fp32, so this is the kernel's one rounding
+            fits = todo & (s > 0) & (q * s[..., None] - 128 * s[..., None] == g).all(-1)
+            scale, codes, todo = torch.where(fits, s, scale), torch.where(fits[..., None], q, codes), todo & ~fits
+        if todo.any():
             return None
-        return cls(linear, codes.view(n, k), scale)
+        return cls(linear, codes.view(n, k), scale, keep_weight)
+
+    def kernel_spec(self) -> kernels.LinearSpec:
+        """This layer as `kernels.decoder_layer` calls it."""
+        codes, sp, mp, bias = self._operands
+        return kernels.LinearSpec("q8", codes.shape[1], self.out_features, (codes, sp, mp), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != torch.float32 or x2.requires_grad:
+        if x2.dtype != torch.float32 or x2.requires_grad:  # autograd (training reads the LM head) or another dtype
+            if self.weight is None:
+                raise RuntimeError("this ExactInt8Linear keeps only its codes: fp32 inputs without autograd")
             y = nn.functional.linear(x2, self.weight.detach().to(x2.dtype), self.bias)
         else:
             y = kernels.linear_q8(x2, *self._operands)
@@ -256,8 +274,9 @@ class ExactInt8Linear(nn.Module):
 
 def exact_or_packed(linear: nn.Linear) -> nn.Module:
     """An fp32 linear layer for eaglespec's kernels: `ExactInt4Linear` where its weights are exact
-    4-bit codes, else `PackedLinear`. Either gives the same output bits."""
-    return ExactInt4Linear.of(linear) or PackedLinear(linear)
+    4-bit codes (with a minimum), else `ExactInt8Linear` where they are exact signed codes, else
+    `PackedLinear`. Each gives the same output bits."""
+    return ExactInt4Linear.of(linear) or ExactInt8Linear.of(linear, keep_weight=False) or PackedLinear(linear)
 
 
 class Bf16Linear(nn.Module):

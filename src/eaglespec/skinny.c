@@ -505,7 +505,7 @@ typedef struct {
     float eps, scale;
 } layer_t;
 
-enum { LIN_F32, LIN_BF16, LIN_Q4, LIN_BF16DOT, LIN_Q4DOT, LIN_Q4Q8 };
+enum { LIN_F32, LIN_BF16, LIN_Q4, LIN_BF16DOT, LIN_Q4DOT, LIN_Q4Q8, LIN_Q8 };
 
 static void run_linear(const lin_t *l, const float *x, long M, float *y, int threads) {
     switch (l->kind) {
@@ -513,6 +513,10 @@ static void run_linear(const lin_t *l, const float *x, long M, float *y, int thr
         case LIN_BF16: skinny_linear_bf16(x, M, l->K, (const unsigned short *)l->w0, l->N, l->bias, y, threads); break;
         case LIN_Q4:
             skinny_linear_q4(x, M, l->K, (const unsigned char *)l->w0, (const float *)l->w1, (const float *)l->w2,
+                             l->N, l->bias, y, threads);
+            break;
+        case LIN_Q8:
+            skinny_linear_q8(x, M, l->K, (const unsigned char *)l->w0, (const float *)l->w1, (const float *)l->w2,
                              l->N, l->bias, y, threads);
             break;
 #ifdef __AVX512BF16__
