@@ -221,7 +221,8 @@ class ExactInt8Linear(nn.Module):
     LM head shares; Qwen2.5's LM head and value projections), Q5_0 (-16..15: most of Qwen2.5's
     layers) or Q4_0 (-8..7), each group in whichever form reproduces it. Stored as code + 128 with
     minimum -128 * scale (exact) and run on `kernels.linear_q8`: the fp32 layer's output bit for bit
-    from 1.25 bytes a weight. `weight` stays the fp32 one (a tied embedding's)."""
+    from 1.25 bytes a weight. An LM head keeps its fp32 `weight` (a tied embedding's, whose rows the
+    draft head reads); a decoder layer keeps only the codes."""
 
     CODE_RANGES = (127, 16, 8)  # the largest |code| of Q8_0, Q5_0 and Q4_0: each group's scale is max |w| / that
 
