@@ -109,7 +109,7 @@ def machine_info(engine: "Engine") -> dict:
             "head_vocab": engine.head.draft_vocab_size if engine.head is not None else 0}
     if (getattr(cfg, "eaglespec_packed_kernel", None) or "").startswith("skinny"):  # only then: oneDNN profiles keep their key
         info["packed_kernel"] = cfg.eaglespec_packed_kernel
-    if getattr(cfg, "eaglespec_exact_codes", 0):  # fp32 layers streamed as their exact 4-bit codes
+    if getattr(cfg, "eaglespec_exact_codes", 0):  # fp32 layers streamed as their exact 4- / 8-bit codes
         info["exact_codes"] = cfg.eaglespec_exact_codes
     if getattr(cfg, "eaglespec_compiled", False):  # only when set, so eager profiles keep their cache key
         info["compiled"] = True

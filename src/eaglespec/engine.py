@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 
 from . import attention, lean
@@ -466,18 +467,11 @@ class Engine:
         counts = [len(r.pending[1]) for r in rows]
         B, c = len(rows), max(counts)
         start = head_cache.get_seq_length()
-        if B == 1:  # one sequence (every dynamic tree): no padding to fill
-            r = rows[0]
-            feats = (r.pending[0][0] if len(r.pending[0]) == 1 else torch.cat(r.pending[0]))[None]
-            toks = torch.tensor([r.pending[1]], device=self.device)
-            self.head.add_context(toks[0])
-        else:
-            feats = torch.zeros(B, c, rows[0].pending[0][0].shape[-1], dtype=self.dtype, device=self.device)
-            toks = torch.zeros(B, c, dtype=torch.long, device=self.device)
-            for b, r in enumerate(rows):
-                torch.cat(r.pending[0], out=feats[b, : counts[b]])
-                toks[b, : counts[b]] = torch.tensor(r.pending[1], device=self.device)
-                self.head.add_context(toks[b, : counts[b]])
+        # each row's pending pairs, zero-padded to the longest (one sequence: no padding to fill)
+        feats = pad_sequence([torch.cat(r.pending[0]) for r in rows], batch_first=True)
+        toks = pad_sequence([torch.tensor(r.pending[1], device=self.device) for r in rows], batch_first=True)
+        for b, n in enumerate(counts):
+            self.head.add_context(toks[b, :n])
         hl = torch.tensor([r.head_len for r in rows], device=self.device)
         pos = hl[:, None] + torch.arange(c, device=self.device)
         mask = None
