@@ -242,3 +242,70 @@ def test_packed_head_close_to_its_unpacked_self():
             outs[name] = (ctx, more, tree)
     for a, b in zip(outs["plain"], outs["packed"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@needs_layer
+@pytest.mark.skipif(not kernels.draft_available(), reason="eaglespec's AVX-512 kernels are not built here")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypatch):
+    """`draft_step` (the head as one C call) gives the packed head's features and head-cache entries
+    bit for bit, for a context block (aux features fused, causal) and a tree level (its plan), and the
+    k best draft log-probabilities at a temperature over a reduced vocabulary plus context rows, with
+    their target ids, as torch's log_softmax and topk give them; and the engine's drafted rounds take
+    it, their output still vanilla decoding's."""
+    from eaglespec.attention import rows_plan
+
+    model = tiny_target(family, device="cpu")
+    head, plain = good_head(model).add_aux_layers([0, 1]), good_head(model)
+    pack_target(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        head.fuse.weight.normal_(0, 0.05)
+    head.set_draft_vocab(torch.arange(0, 128, 2))  # the even ids; the context adds odd ones
+    head.context_vocab = True
+    head.pack("packed")
+    assert head._step_spec() is not None
+    h, temp, k = model.config.hidden_size, 0.7, 3
+    g = torch.Generator().manual_seed(1)
+    feats, block, level = torch.randn(1, 8, 3 * h, generator=g), torch.randn(1, 2, 3 * h, generator=g), torch.randn(1, 5, h, generator=g)
+    seen = [[j for j in range(5) if TREE[i, j]] for i in range(5)]
+    mask = torch.zeros(1, 1, 5, 15)
+    mask[0, 0, :, 10:] = torch.where(TREE, 0.0, float("-inf"))
+    caches = KVCache(64), KVCache(64)
+    with torch.inference_mode():
+        for cache in caches:
+            head.reset_context()
+            head.add_context(torch.tensor(IDS))
+            head(feats, torch.tensor([IDS[:8]]), torch.arange(8)[None], None, cache)  # allocates the cache
+
+        def torch_top(f):
+            best = torch.topk(torch.log_softmax(head.logits(f[0]).float() / temp, -1), k, dim=-1)
+            return best.values, head.to_target_ids(best.indices).tolist()
+
+        ref = head(block, torch.tensor([[4, 7]]), torch.tensor([[8, 9]]), None, caches[0])
+        out, vals, ids = head.draft_step(block, [4, 7], [8, 9], caches[1], None, k, temp, first=1)
+        assert torch.equal(out, ref)
+        want_v, want_i = torch_top(ref[:, 1:])
+        assert ids == want_i
+        odd = [i for row in ids for i in row if i % 2]
+        torch.testing.assert_close(torch.tensor(vals), want_v, rtol=1e-6, atol=1e-5)
+        pos = [10, 11, 11, 12, 12]
+        ref = head(level, torch.tensor([IDS[:5]]), torch.tensor([pos]), mask, caches[0], plan=rows_plan(10, seen))
+        out, vals, ids = head.draft_step(level, IDS[:5], pos, caches[1], rows_plan(10, seen), k, temp)
+        assert torch.equal(out, ref)
+        want_v, want_i = torch_top(ref)
+        assert ids == want_i and odd + [i for row in ids for i in row if i % 2]  # context rows among the best
+        torch.testing.assert_close(torch.tensor(vals), want_v, rtol=1e-6, atol=1e-5)
+        assert caches[0].get_seq_length() == caches[1].get_seq_length() == 15
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            assert torch.equal(a.k_buf[:, :, :15], b.k_buf[:, :, :15]) and torch.equal(a.v_buf[:, :, :15], b.v_buf[:, :, :15])
+        assert head.draft_step(level, IDS[:5], pos, KVCache(64)) is None  # a cache not yet allocated
+    with torch.inference_mode():
+        assert plain.draft_step(level, IDS[:5], pos, caches[1]) is None  # not packed: forward's job
+    taken = []
+    step = head.draft_step
+    monkeypatch.setattr(head, "draft_step", lambda *a, **kw: taken.append(step(*a, **kw)) or taken[-1])
+    eng = Engine(model, head, tree="dynamic:3,3,8")
+    out = eng.generate(IDS, 40)
+    assert out.token_ids == eng.generate(IDS, 40, method="vanilla").token_ids and max(out.stats.accept_lengths) > 1
+    assert taken[0] is None and None not in taken[1:] and taken[-1][1] is not None  # all after the prompt's in C

@@ -91,6 +91,7 @@ class Prediction:
 
 
 Draft = tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers, Prediction | None]
+Top = tuple[list[list[float]], list[list[int]]]  # per node: its k best draft log-probabilities, their target ids
 
 
 @dataclass
@@ -479,7 +480,11 @@ class Engine:
         if ragged:  # each row sees its own committed entries, then its new ones causally
             causal = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(prefix_tree_mask(causal, start, hl), self.dtype)
-        out = self.head(feats, toks, pos, mask, head_cache)
+        k, temp = self._level_top(sp)
+        step = None if B > 1 else self.head.draft_step(feats, rows[0].pending[1], pos[0].tolist(), head_cache, None,
+                                                       k, temp, first=c - 1)
+        out = self.head(feats, toks, pos, mask, head_cache) if step is None else step[0]
+        root_top = None if step is None or not k else (step[1], step[2])
         root_f = torch.stack([out[b, n - 1 : n] for b, n in enumerate(counts)])  # (B, 1, H)
         if ragged or B > 1:
             head_cache.compact_rows(hl.tolist(), start, [torch.arange(n, device=self.device) for n in counts])
@@ -487,24 +492,40 @@ class Engine:
             r.head_len += n
         lens = [r.head_len for r in rows]
         if self.dynamic is not None:
-            result = self._grow_dynamic(root_f, rows[0].root, lens, head_cache, sp, gen, t_round)
+            result = self._grow_dynamic(root_f, rows[0].root, lens, head_cache, sp, gen, t_round, root_top)
         else:
             result = self._grow_static(root_f, [r.root for r in rows], lens, head_cache, sp, gen)
         head_cache.crop(max(lens))
         return result
 
+    def _level_top(self, sp: SamplingParams) -> tuple[int, float]:
+        """How many best draft tokens per node a dynamic tree's levels read, at which temperature;
+        k = 0 where the head's whole distribution is needed (static trees, sampled drafts)."""
+        if self.dynamic is None or not sp.greedy and self.draft_sampling == "sample":
+            return 0, 1.0
+        return self.dynamic.top_k, (1.0 if sp.greedy else sp.temperature)
+
     def _head_level(self, parent_f: torch.Tensor, tokens: list[list[int]], lens: list[int], depth: int,
-                    allowed: torch.Tensor, head_cache: KVCache, seen: list[list[int]] | None = None) -> torch.Tensor:
+                    allowed: torch.Tensor, head_cache: KVCache, seen: list[list[int]] | None = None, k: int = 0,
+                    temp: float = 1.0) -> tuple[torch.Tensor, Top | None]:
         """One head forward over all nodes of one depth, (B, q, H): each row sees its own committed
         entries and, by tree attention, its nodes' ancestors from earlier levels (`allowed`; for
-        one sequence also as lists, `seen`, which spares the kernels' plan a read of the mask)."""
+        one sequence also as lists, `seen`, which spares the kernels' plan a read of the mask). For
+        one sequence on the CPU, with k > 0, also each node's k best draft tokens (`Top`), where the
+        head runs it as one C call (`draft_step`); else None."""
+        if seen is not None and len(lens) == 1 and not self._cuda:
+            plan = attention.rows_plan(lens[0], seen)
+            step = self.head.draft_step(parent_f, tokens[0], [lens[0] + depth - 1] * len(tokens[0]), head_cache,
+                                        plan, k, temp)
+            if step is not None:
+                return step[0], (step[1], step[2]) if k else None
         toks = torch.tensor(tokens, device=self.device)
         hl = torch.tensor(lens, device=self.device)
         pos = (hl[:, None] + depth - 1).expand(toks.shape)
         ragged = hl if len(set(lens)) > 1 else None
         mask = float_mask(prefix_tree_mask(allowed.to(self.device), max(lens), ragged), self.dtype)
         plan = attention.rows_plan(lens[0], seen) if seen is not None and len(lens) == 1 and not self._cuda else None
-        return self.head(parent_f, toks, pos, mask, head_cache, plan=plan)
+        return self.head(parent_f, toks, pos, mask, head_cache, plan=plan), None
 
     def _grow_static(self, root_f: torch.Tensor, roots: list[int], lens: list[int], head_cache: KVCache,
                      sp: SamplingParams, gen: torch.Generator | None) -> Draft:
@@ -519,8 +540,8 @@ class Engine:
                 f = root_f
             else:
                 parents_f = torch.cat([node_feat[tree.parent[i]] for i in nodes], dim=1)
-                f = self._head_level(parents_f, [[row[i] for i in nodes] for row in node_tokens], lens, d,
-                                     tree.draft_masks[d], head_cache)
+                f, _ = self._head_level(parents_f, [[row[i] for i in nodes] for row in node_tokens], lens, d,
+                                        tree.draft_masks[d], head_cache)
                 for j, i in enumerate(nodes):
                     node_feat[i] = f[:, j : j + 1]
             logits = head.logits(f).float().flatten(0, 1)  # (B * len(nodes), draft vocab)
@@ -543,26 +564,29 @@ class Engine:
         return node_tokens, node_q, tree, None
 
     def _expand(self, frontier: list[int], toks: list[int], parents: list[int], slots: list[int],
-                feat: dict[int, torch.Tensor], lens: list[int], depth: int, head_cache: KVCache) -> torch.Tensor:
+                feat: dict[int, torch.Tensor], lens: list[int], depth: int, head_cache: KVCache, k: int = 0,
+                temp: float = 1.0) -> tuple[torch.Tensor, Top | None]:
         """One head forward over the frontier candidates of a dynamic tree; each sees its ancestors'
-        head-cache entries (`slots` lists the candidates with an entry, in cache order)."""
+        head-cache entries (`slots` lists the candidates with an entry, in cache order). With k > 0,
+        maybe their k best tokens too (`_head_level`)."""
         slots += frontier
         col = {c: j for j, c in enumerate(slots)}
         seen = [sorted(col[j] for j in lineage(i, parents)) for i in frontier]  # head-cache entries, ascending
         allowed = visible(seen, range(len(slots)))
-        f = self._head_level(torch.cat([feat[parents[i]] for i in frontier], dim=1),
-                             [[toks[i] for i in frontier]], lens, depth, allowed, head_cache, seen)
+        f, top = self._head_level(torch.cat([feat[parents[i]] for i in frontier], dim=1),
+                                  [[toks[i] for i in frontier]], lens, depth, allowed, head_cache, seen, k, temp)
         for r, i in enumerate(frontier):
             feat[i] = f[:, r : r + 1]
-        return f
+        return f, top
 
     def _grow_dynamic(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
-                      sp: SamplingParams, gen: torch.Generator | None, t_round: float
+                      sp: SamplingParams, gen: torch.Generator | None, t_round: float, root_top: Top | None = None
                       ) -> Draft:
         """EAGLE-2: candidates are each expanded node's top-k children, scored by cumulative draft
         log-probability; the best `top_k` of a depth are expanded next, the best overall verified.
         Candidates are deterministic given the head, so they carry a one-hot law (q = None).
-        When sampling with sampled drafts, `_grow_sampled` grows the tree instead."""
+        When sampling with sampled drafts, `_grow_sampled` grows the tree instead. `root_top`: the
+        root's top k, where the head's forward gave it."""
         if not sp.greedy and self.draft_sampling == "sample":
             return self._grow_sampled(root_f, root, lens, head_cache, sp, gen, t_round)
         head, dyn = self.head, self.dynamic
@@ -573,18 +597,20 @@ class Engine:
         scores: list[float] = []
         feat: dict[int, torch.Tensor] = {-1: root_f}
         slots: list[int] = []  # candidates with a head-cache entry, in cache order
-        frontier, f, level_start, levels = [-1], root_f, 0, 0
+        frontier, f, level_start, levels, top = [-1], root_f, 0, 0, root_top
         for d in range(dyn.depth):
             if d > 0:
                 level = range(level_start, len(toks))
                 frontier = sorted(level, key=lambda i: (-scores[i], i))[:k]
                 if dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
                     break
-                f = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
-            logits = head.logits(f[0]).float()
-            top = torch.topk(torch.log_softmax(logits if temp == 1.0 else logits / temp, -1), k, dim=-1)
+                f, top = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache, k, temp)
+            if top is None:
+                logits = head.logits(f[0]).float()
+                best = torch.topk(torch.log_softmax(logits if temp == 1.0 else logits / temp, -1), k, dim=-1)
+                top = best.values.tolist(), head.to_target_ids(best.indices).tolist()
             levels += 1
-            vals, ids = top.values.tolist(), head.to_target_ids(top.indices).tolist()
+            (vals, ids), top = top, None
             level_start = len(toks)
             for r, pi in enumerate(frontier):
                 base = 0.0 if pi < 0 else scores[pi]
@@ -629,7 +655,7 @@ class Engine:
                 frontier = sorted(range(level_start, len(toks)), key=lambda i: (-scores[i], i))[:k]
                 if not frontier or dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
                     break
-                f = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
+                f, _ = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
             q = torch.softmax(head.logits(f[0]).float() / temp, -1)  # (len(frontier), draft vocab)
             levels += 1
             planned = torch.topk(q, k, dim=-1).values.tolist()

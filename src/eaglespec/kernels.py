@@ -112,6 +112,10 @@ def _lib() -> ctypes.CDLL | None:
     if hasattr(lib, "decoder_stack"):
         lib.decoder_stack.argtypes = [P, L, P, L, L, L, P, P, P, P, L, L, L, L, L, L, P, P, P, P, P, ctypes.c_int]
         lib.decoder_stack.restype = None
+    if hasattr(lib, "draft_step"):
+        lib.draft_step.argtypes = [P, P, L, L, P, P, P, P, L, L, L, L, L, L, P, P, P, P, P, P, L, P, L, P,
+                                   ctypes.c_float, L, P, P, ctypes.c_int]
+        lib.draft_step.restype = None
     lib.kv_compact.argtypes = [P, L, L, L, L, L, L, P, L, P, P]
     lib.kv_compact.restype = None
     lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
@@ -352,6 +356,12 @@ class _Layer(ctypes.Structure):
                 ("inter", ctypes.c_long), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
+def _lin(spec: LinearSpec) -> _Lin:
+    ptrs = [t.data_ptr() for t in spec.operands] + [None] * (3 - len(spec.operands))
+    bias = None if spec.bias is None else spec.bias.data_ptr()
+    return _Lin(_LIN_KINDS[spec.kind], spec.k, spec.n, *ptrs, bias)
+
+
 def layer_available() -> bool:
     """Whether `decoder_layer` / `decoder_stack` run here (the AVX-512 kernels)."""
     return _lib() is not None and hasattr(_lib(), "decoder_stack")
@@ -374,13 +384,8 @@ class LayerSpec:
     scale: float
 
     def __post_init__(self) -> None:
-        def lin(spec: LinearSpec) -> _Lin:
-            ptrs = [t.data_ptr() for t in spec.operands] + [None] * (3 - len(spec.operands))
-            bias = None if spec.bias is None else spec.bias.data_ptr()
-            return _Lin(_LIN_KINDS[spec.kind], spec.k, spec.n, *ptrs, bias)
-
         self.inter = self.gate_up.n // 2
-        self._struct = _Layer(lin(self.qkv), lin(self.o), lin(self.gate_up), lin(self.down), self.norm1.data_ptr(),
+        self._struct = _Layer(_lin(self.qkv), _lin(self.o), _lin(self.gate_up), _lin(self.down), self.norm1.data_ptr(),
                               self.norm2.data_ptr(), self.heads, self.kv_heads, self.head_dim, self.inter,
                               self.eps, self.scale)
         self.address = ctypes.addressof(self._struct)
@@ -397,6 +402,71 @@ def decoder_layer(spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torc
     decoder_stack(spec.addresses, out, cos, sin, torch.tensor([k_buf.data_ptr()]), torch.tensor([v_buf.data_ptr()]),
                   k_buf, slot, plan)
     return out
+
+
+class _Head(ctypes.Structure):
+    _fields_ = [("fc", _Lin), ("fuse", _Lin), ("lm", _Lin), ("embed", ctypes.c_void_p), ("aux_norm", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.c_void_p), ("H", ctypes.c_long),
+                ("naux", ctypes.c_long), ("nlayers", ctypes.c_long), ("D", ctypes.c_long), ("aux_eps", ctypes.c_float)]
+
+
+def draft_available() -> bool:
+    """Whether `draft_step` runs here (the AVX-512 kernels)."""
+    return _lib() is not None and hasattr(_lib(), "draft_step")
+
+
+@dataclass
+class HeadSpec:
+    """An EAGLE draft head laid out for skinny.c's `draft_step` (built once per packed head; it holds
+    the tensors whose addresses the C struct records). fuse None: no aux features; `rope` the (P, D)
+    cos and sin tables by position, replaceable with `set_rope` when they grow."""
+    fc: LinearSpec
+    fuse: LinearSpec | None
+    lm: LinearSpec
+    embed: torch.Tensor
+    aux_norm: torch.Tensor
+    aux_eps: float
+    naux: int
+    layers: list[LayerSpec]
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        none = _Lin(-1, 0, 0, None, None, None, None)
+        self._addresses = torch.tensor([layer.address for layer in self.layers])
+        self._struct = _Head(_lin(self.fc), none if self.fuse is None else _lin(self.fuse), _lin(self.lm),
+                             self.embed.data_ptr(), self.aux_norm.data_ptr(), 0, 0, self._addresses.data_ptr(),
+                             self.embed.shape[1], self.naux, len(self.layers), self.layers[0].head_dim, self.aux_eps)
+        self.set_rope(*self.rope)
+
+    def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.rope = (cos.contiguous(), sin.contiguous())
+        self._struct.cos, self._struct.sin = self.rope[0].data_ptr(), self.rope[1].data_ptr()
+
+
+def draft_step(spec: HeadSpec, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+               k_bufs: torch.Tensor, v_bufs: torch.Tensor, like: torch.Tensor, slot: int,
+               plan: tuple[torch.Tensor, ...] | None, first: int = 0, ctx: torch.Tensor | None = None,
+               ids: torch.Tensor | None = None, inv_temp: float = 1.0, k: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The draft head over M rows of one sequence (skinny.c's `draft_step`): feat (M, W) fp32
+    contiguous, tokens and positions (M,) int64, the head cache's layer buffers as `decoder_stack`
+    takes them, plan None = causal. Returns the new features (M, H) and, with k > 0, rows first..'s
+    k best log-probabilities (M - first, k) and target ids (`ids` maps draft ids; `ctx` adds rows
+    after the draft LM head's)."""
+    m, h = feat.shape[0], spec.embed.shape[1]
+    out = torch.empty(m, h)
+    vals = torch.empty(m - first, k) if k else None
+    top = torch.empty(m - first, k, dtype=torch.long) if k else None
+    pb, pi, pn, po, pt = plan if plan is not None else (None,) * 5
+    nctx = 0 if ctx is None else ctx.shape[0]
+    _lib().draft_step(ctypes.addressof(spec._struct), feat.data_ptr(), m, feat.shape[1], tokens.data_ptr(),
+                      positions.data_ptr(), k_bufs.data_ptr(), v_bufs.data_ptr(), like.stride(0), like.stride(1),
+                      like.stride(0), like.stride(1), slot, 0 if plan is None else pb.numel(),
+                      *(None if t is None else t.data_ptr() for t in (pb, pi, pn, po, pt)), out.data_ptr(), first,
+                      None if ctx is None else ctx.data_ptr(), nctx, None if ids is None else ids.data_ptr(),
+                      inv_temp, k, None if vals is None else vals.data_ptr(), None if top is None else top.data_ptr(),
+                      torch.get_num_threads())
+    return out, vals, top
 
 
 def kv_compact(bufs: list[torch.Tensor], dst: list[int], src: int, keeps: list[list[int]]) -> None:

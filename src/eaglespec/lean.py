@@ -78,13 +78,18 @@ def rope(rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> tupl
     with the sequence length, and autograd, call the module."""
     if getattr(rotary, "rope_type", "default") not in STATIC_ROPE or torch.is_grad_enabled():
         return rotary(x, position_ids)
-    need = int(position_ids.max()) + 1
+    cos, sin = rope_table(rotary, x, int(position_ids.max()) + 1)
+    return cos[position_ids], sin[position_ids]
+
+
+def rope_table(rotary: nn.Module, x: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope`'s cos and sin tables, (P, D) with P >= need, for a static rope type (grown by doubling)."""
     table = getattr(rotary, "_eaglespec_table", None)
     if table is None or table[0].shape[1] < need or table[0].dtype != x.dtype or table[0].device != x.device:
         size = max(need, 2 * table[0].shape[1] if table is not None else 1024)
         table = rotary(x, torch.arange(size, device=x.device)[None])
         rotary._eaglespec_table = table
-    return table[0][0][position_ids], table[1][0][position_ids]
+    return table[0][0], table[1][0]
 
 
 def _one_call(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache,
@@ -97,7 +102,7 @@ def _one_call(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torc
             or len(cache.layers) <= idx:
         return None
     layer = cache.layers[idx]
-    slot = _write_slot([layer], b, m)
+    slot = write_slot([layer], b, m)
     if slot is None:
         return None
     cos, sin, plan = _rows_inputs(position_embeddings, attention_mask, kwargs, b, m, slot)
@@ -106,7 +111,7 @@ def _one_call(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torc
     return out
 
 
-def _write_slot(layers: list, b: int, m: int) -> int | None:
+def write_slot(layers: list, b: int, m: int) -> int | None:
     """Where m new rows of b sequences go in these cache layers (one position for all of them), or
     None where the one-call kernels cannot write them: a layer not yet allocated (the first forward
     allocates it), lengths apart, another batch size, a cache not fp32, values shaped unlike keys
@@ -189,7 +194,7 @@ def _stack_call(self: nn.Module, input_ids, attention_mask, position_ids, cache,
     layers = cache.layers
     if b * m > attention.MAX_EXACT_ROWS or len(layers) != len(self.layers):
         return None
-    slot = _write_slot(layers, b, m)
+    slot = write_slot(layers, b, m)
     if slot is None:
         return None
     h = self.embed_tokens(input_ids)

@@ -605,6 +605,111 @@ void decoder_stack(const long *layers, long n, float *x, long B, long M, long H,
         decoder_layer((const layer_t *)layers[i], x, B, M, H, cos, sin, (float *)kcs[i], (float *)vcs[i], kb, kh, vb,
                       vh, slot, R, pb, pi, pn, po, pt, threads);
 }
+
+/* EAGLE's draft head over M rows of one sequence in one call (head.py's `draft_step`): per row,
+ * h = fc([f ; embed[token]]) (+ fuse of the RMS-normed aux features after f, where feat has them:
+ * W > H), then the head's decoder layers as decoder_layer runs them (their entries written into the
+ * head cache at slot..); out = h. With k > 0, rows first..M-1 also get their k best draft
+ * log-probabilities at temperature 1 / inv_temp (the draft LM head's N logits, then the context
+ * rows' nctx dot products) and those tokens' target ids (ids[draft index]), best first, ties to the
+ * lower index. The head's torch path made ~40 small calls around these kernels: ~0.6 ms of a
+ * ~1.1 ms drafted round on 2 cores. */
+typedef struct {
+    lin_t fc, fuse, lm;     /* fuse.kind < 0: no aux features */
+    const float *embed, *aux_norm, *cos, *sin; /* embed (V, H); cos, sin: (P, D) tables by position */
+    const long *layers;     /* layer_t addresses */
+    long H, naux, nlayers, D;
+    float aux_eps;
+} head_t;
+
+static void top_logprobs(const head_t *E, const float *x, long M, const float *ctx, long nctx, const long *ids,
+                         float inv_temp, long k, float *topv, long *topi, int threads) {
+    long N = E->lm.N, H = E->H;
+    float *lg = (float *)malloc(sizeof(float) * M * N), *cg = (float *)malloc(sizeof(float) * (M * nctx + 1));
+    run_linear(&E->lm, x, M, lg, threads);
+    for (long r = 0; r < M; r++)
+        for (long c = 0; c < nctx; c++) {
+            __m512 a = _mm512_setzero_ps();
+            long j = 0;
+            for (; j + 16 <= H; j += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * H + j), _mm512_loadu_ps(ctx + c * H + j), a);
+            float d = _mm512_reduce_add_ps(a);
+            for (; j < H; j++) d += x[r * H + j] * ctx[c * H + j];
+            cg[r * nctx + c] = d;
+        }
+    for (long r = 0; r < M; r++) {
+        const float *parts[2] = {lg + r * N, cg + r * nctx};
+        long lens[2] = {N, nctx}, bi[64], have = 0;
+        float bv[64];
+        __m512 vmax = _mm512_set1_ps(-3.0e38f);
+        for (int p = 0; p < 2; p++) /* the max, and the k largest (an insertion list: k is small) */
+            for (long j = 0; j < lens[p]; j += 16) {
+                __mmask16 m = lens[p] - j >= 16 ? 0xFFFF : (__mmask16)((1u << (lens[p] - j)) - 1);
+                __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-3.0e38f), m, parts[p] + j);
+                vmax = _mm512_max_ps(vmax, v);
+                __m512 bar = _mm512_set1_ps(have == k ? bv[k - 1] : -INFINITY);
+                for (__mmask16 hit = _mm512_mask_cmp_ps_mask(m, v, bar, _CMP_GT_OQ); hit; hit &= hit - 1) {
+                    long at, i = j + __builtin_ctz(hit);
+                    float x = parts[p][i];
+                    if (have == k && !(x > bv[k - 1])) continue;
+                    for (at = have < k ? have++ : k - 1; at > 0 && x > bv[at - 1]; at--)
+                        bv[at] = bv[at - 1], bi[at] = bi[at - 1];
+                    bv[at] = x, bi[at] = p ? N + i : i;
+                }
+            }
+        float mx = _mm512_reduce_max_ps(vmax);
+        __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(mx * inv_temp), it = _mm512_set1_ps(inv_temp);
+        for (int p = 0; p < 2; p++)
+            for (long j = 0; j < lens[p]; j += 16) {
+                __mmask16 m = lens[p] - j >= 16 ? 0xFFFF : (__mmask16)((1u << (lens[p] - j)) - 1);
+                __m512 z = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, parts[p] + j), it, shift);
+                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp512(z)));
+            }
+        float lse = mx * inv_temp + logf(_mm512_reduce_add_ps(sum));
+        for (long j = 0; j < k; j++) {
+            topv[r * k + j] = j < have ? bv[j] * inv_temp - lse : -INFINITY;
+            topi[r * k + j] = ids[j < have ? bi[j] : 0];
+        }
+    }
+    free(lg), free(cg);
+}
+
+void draft_step(const head_t *E, const float *feat, long M, long W, const long *tokens, const long *pos,
+                const long *kcs, const long *vcs, long kb, long kh, long vb, long vh, long slot, long R,
+                const long *pb, const long *pi, const long *pn, const long *po, const long *pt, float *out,
+                long first, const float *ctx, long nctx, const long *ids, float inv_temp, long k, float *topv,
+                long *topi, int threads) {
+    long H = E->H, D = E->D;
+    float *xin = (float *)malloc(sizeof(float) * M * 2 * H), *cs = (float *)malloc(sizeof(float) * 2 * M * D);
+    for (long r = 0; r < M; r++) {
+        memcpy(xin + r * 2 * H, feat + r * W, sizeof(float) * H);
+        memcpy(xin + r * 2 * H + H, E->embed + tokens[r] * H, sizeof(float) * H);
+        memcpy(cs + r * D, E->cos + pos[r] * D, sizeof(float) * D);
+        memcpy(cs + (M + r) * D, E->sin + pos[r] * D, sizeof(float) * D);
+    }
+    run_linear(&E->fc, xin, M, out, threads);
+    if (E->fuse.kind >= 0 && W > H) { /* a tree level's parents bring f alone */
+        long A = E->naux * H;
+        float *aux = (float *)malloc(sizeof(float) * M * A), *y = (float *)malloc(sizeof(float) * M * H);
+        for (long r = 0; r < M; r++) memcpy(aux + r * A, feat + r * W + H, sizeof(float) * A);
+        rms_norm(aux, M * E->naux, H, E->aux_norm, E->aux_eps, aux);
+        run_linear(&E->fuse, aux, M, y, threads);
+        for (long i = 0; i < M * H; i++) out[i] = out[i] + y[i];
+        free(aux), free(y);
+    }
+    long *causal = 0;
+    if (R == 0) { /* row i sees the cache and the rows up to itself */
+        causal = (long *)calloc(4 * M + 2, sizeof(long));
+        pb = causal, pi = causal + M, pn = causal + 2 * M, po = causal + 3 * M, pt = causal + 4 * M + 1, R = M;
+        for (long r = 0; r < M; r++) ((long *)pi)[r] = r, ((long *)pn)[r] = slot + r + 1;
+    }
+    for (long i = 0; i < E->nlayers; i++)
+        decoder_layer((const layer_t *)E->layers[i], out, 1, M, H, cs, cs + M * D, (float *)kcs[i], (float *)vcs[i],
+                      kb, kh, vb, vh, slot, R, pb, pi, pn, po, pt, threads);
+    if (k > 0)
+        top_logprobs(E, out + first * H, M - first, ctx, nctx, ids, inv_temp, k, topv, topi, threads);
+    free(xin), free(cs), free(causal);
+}
 #endif
 
 /* KV cache compaction after verification, every layer in one call: in each buffer (bufs[i], fp32,
