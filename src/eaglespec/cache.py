@@ -116,6 +116,7 @@ class KVCache(Cache):
     def __init__(self, max_len: int):
         super().__init__(layer_class_to_replicate=lambda: PreallocLayer(max_len))
         self.max_len = max_len
+        self._compaction: tuple | None = None  # (what it was made for, `_one_call_buffers`' answer)
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         for layer in self.layers:
@@ -125,29 +126,35 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.crop(max_length)
 
-    def compact_rows(self, dst: list[int], src: int, keeps: list[torch.Tensor]) -> None:
-        lists = [k.tolist() for k in keeps]
-        if self._one_call_compaction(dst, src, lists):
-            bufs = [t for layer in self.layers for t in (layer.k_buf, layer.v_buf)]
-            kernels.kv_compact(bufs, dst, src, lists)
-            length = max(d + len(k) for d, k in zip(dst, lists))
+    def compact_rows(self, dst: list[int], src: int, keeps: list[list[int]]) -> None:
+        """Row b's entries src + keeps[b][i] -> dst[b] + i in every layer (see PreallocLayer's)."""
+        bufs = self._one_call_buffers()
+        if bufs is not None and all(d <= src and k == sorted(k) and (not k or k[0] >= 0) for d, k in zip(dst, keeps)):
+            kernels.kv_compact(*bufs, dst, src, keeps)
+            length = max(d + len(k) for d, k in zip(dst, keeps))
             for layer in self.layers:
                 layer._set_length(length)
             return
+        device = self.layers[0].k_buf.device if self.layers and self.layers[0].is_initialized else None
         for layer in self.layers:
-            layer.compact_rows(dst, src, keeps)
+            layer.compact_rows(dst, src, [torch.tensor(k, dtype=torch.long, device=device) for k in keeps])
 
-    def _one_call_compaction(self, dst: list[int], src: int, keeps: list[list[int]]) -> bool:
-        """Whether `kernels.kv_compact` can move every layer's rows at once: its kernels here, fp32 CPU
-        buffers alike in shape, rows moving down in ascending order."""
+    def _one_call_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where `kernels.kv_compact` can move every layer's rows at once (its kernels here, fp32 CPU
+        buffers alike in shape, contiguous): their addresses and one of them, remembered until the
+        buffers change (checking 60 buffers every round cost ~25 us)."""
         if not kernels.available() or not self.layers or not all(layer.is_initialized for layer in self.layers):
-            return False
+            return None
         like = self.layers[0].k_buf
-        if like.dtype != torch.float32 or like.device.type != "cpu" or any(
-                t.shape != like.shape or not t.is_contiguous() or t.dtype != like.dtype
-                for layer in self.layers for t in (layer.k_buf, layer.v_buf)):
-            return False
-        return all(d <= src and k == sorted(k) and (not k or k[0] >= 0) for d, k in zip(dst, keeps))
+        key = (len(self.layers), like, self.layers[-1].v_buf)  # buffers change all at once (select_rows)
+        old = self._compaction
+        if old is not None and old[0][0] == key[0] and old[0][1] is like and old[0][2] is key[2]:
+            return old[1]
+        bufs = [t for layer in self.layers for t in (layer.k_buf, layer.v_buf)]
+        ok = like.dtype == torch.float32 and like.device.type == "cpu" and all(
+            t.shape == like.shape and t.is_contiguous() and t.dtype == like.dtype for t in bufs)
+        self._compaction = (key, (torch.tensor([t.data_ptr() for t in bufs]), like) if ok else None)
+        return self._compaction[1]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished sequences leave the batch)."""

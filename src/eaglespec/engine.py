@@ -407,7 +407,7 @@ class Engine:
             paths, bonuses, feats = self._verify(rows, node_tokens, node_q, cur, cache, sp, gen, aux)
             keeps = [[0] + path for path in paths]  # tree rows to keep: the root and the accepted nodes
             if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
-                cache.compact_rows([r.n_ctx for r in rows], prefix, [torch.tensor(k, device=self.device) for k in keeps])
+                cache.compact_rows([r.n_ctx for r in rows], prefix, keeps)
             tc = self._clock()
             if isinstance(self._live, LiveCosts) and len(rows) == 1 and (use_tree or gate is not None):
                 self._live.observe(cur.n, tc - tb)  # the gate's plain steps too: they pin verify(1)
@@ -487,7 +487,7 @@ class Engine:
         root_top = None if step is None or not k else (step[1], step[2])
         root_f = torch.stack([out[b, n - 1 : n] for b, n in enumerate(counts)])  # (B, 1, H)
         if ragged or B > 1:
-            head_cache.compact_rows(hl.tolist(), start, [torch.arange(n, device=self.device) for n in counts])
+            head_cache.compact_rows(hl.tolist(), start, [list(range(n)) for n in counts])
         for r, n in zip(rows, counts):
             r.head_len += n
         lens = [r.head_len for r in rows]

@@ -469,18 +469,17 @@ def draft_step(spec: HeadSpec, feat: torch.Tensor, tokens: torch.Tensor, positio
     return out, vals, top
 
 
-def kv_compact(bufs: list[torch.Tensor], dst: list[int], src: int, keeps: list[list[int]]) -> None:
-    """In every buffer (B, H, max_len, D) fp32 contiguous, alike in shape: batch row b's rows
-    src + keeps[b][j] move to dst[b] + j, in place (skinny.c's `kv_compact`). keeps ascending, dst <= src."""
-    like = bufs[0]
+def kv_compact(ptrs: torch.Tensor, like: torch.Tensor, dst: list[int], src: int, keeps: list[list[int]]) -> None:
+    """In every buffer (B, H, max_len, D) fp32 contiguous, shaped as `like`, whose addresses `ptrs`
+    (int64) lists: batch row b's rows src + keeps[b][j] move to dst[b] + j, in place (skinny.c's
+    `kv_compact`). keeps ascending, dst <= src."""
     b, h, _, d = like.shape
-    ptrs = torch.tensor([t.data_ptr() for t in bufs])
     flat = torch.tensor([x for k in keeps for x in k] or [0])
     offsets = [0]
     for k in keeps:
         offsets.append(offsets[-1] + len(k))
     dsts, offs = torch.tensor(dst), torch.tensor(offsets)
-    _lib().kv_compact(ptrs.data_ptr(), len(bufs), b, h, d, like.stride(0), like.stride(1), dsts.data_ptr(), src,
+    _lib().kv_compact(ptrs.data_ptr(), ptrs.numel(), b, h, d, like.stride(0), like.stride(1), dsts.data_ptr(), src,
                       flat.data_ptr(), offs.data_ptr())
 
 
