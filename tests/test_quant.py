@@ -899,3 +899,23 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
         assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     finally:
         torch._dynamo.reset()
+
+
+def test_kernels_argmax_is_torch_s_first_maximum(kernel_isa):
+    """`kernels.argmax` (greedy decoding's and verification's pick) is torch's argmax exactly: the first
+    index of a tied maximum, rows of any width (a vector's tail, the whole vector or inside one), any
+    leading shape, all -inf, and torch's answer where a row holds a NaN."""
+    from eaglespec import kernels
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(49152,), (1, 1, 49152), (2, 5, 300), (3, 37), (1, 15), (4, 16), (2, 33)]:
+        x = torch.randn(*shape, generator=g)
+        assert kernels.argmax(x) == x.argmax(-1).tolist()
+        x = torch.randint(0, 3, shape, generator=g).float()  # ties everywhere: the first one wins
+        assert kernels.argmax(x) == x.argmax(-1).tolist()
+    x = torch.zeros(4, 100)
+    x[1, 50] = x[1, 70] = 1.0
+    x[2] = float("-inf")
+    x[3, 17] = float("nan")
+    assert kernels.argmax(x) == x.argmax(-1).tolist() == [0, 50, 0, 17]
+    assert isinstance(kernels.argmax(torch.randn(40, generator=g)), int)

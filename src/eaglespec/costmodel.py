@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import lean
+from . import kernels, lean
 from .io import atomic_write_json
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def time_forward(engine: "Engine", cache: "KVCache", context: int, tokens: list[
     allowed = torch.ones(n, context + n, dtype=torch.bool, device=engine.device).tril(context)
     t0 = engine._clock()
     feats = engine._target(tokens, context, cache, float_mask(allowed, engine.dtype))
-    engine.lm_head(feats).argmax(-1).tolist()
+    kernels.argmax(engine.lm_head(feats))
     dt = engine._clock() - t0
     cache.crop(context)
     return dt

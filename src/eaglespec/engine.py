@@ -15,7 +15,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 
-from . import attention, lean
+from . import attention, kernels, lean
 from .cache import KVCache
 from .errors import EaglespecError
 from .head import EagleDraftHead
@@ -229,7 +229,7 @@ class Engine:
 
     def _choose(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
         if sp.greedy:
-            return int(logits.argmax(-1))
+            return kernels.argmax(logits)
         return sample_token(target_probs(logits, sp), gen)
 
     # -- public API -------------------------------------------------------------------------------
@@ -480,9 +480,9 @@ class Engine:
         if ragged:  # each row sees its own committed entries, then its new ones causally
             causal = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(prefix_tree_mask(causal, start, hl), self.dtype)
-        k, temp = self._level_top(sp)
-        step = None if B > 1 else self.head.draft_step(feats, rows[0].pending[1], pos[0].tolist(), head_cache, None,
-                                                       k, temp, first=c - 1)
+        k, temp = self._level_top(sp)  # one sequence: the head, and the root's best tokens, in one C call
+        step = None if B > 1 or ragged else self.head.draft_step(feats, rows[0].pending[1], pos[0].tolist(),
+                                                                 head_cache, None, k, temp, first=c - 1)
         out = self.head(feats, toks, pos, mask, head_cache) if step is None else step[0]
         root_top = None if step is None or not k else (step[1], step[2])
         root_f = torch.stack([out[b, n - 1 : n] for b, n in enumerate(counts)])  # (B, 1, H)
@@ -821,7 +821,7 @@ class Engine:
                               None if ragged else tree.ancestors)
         logits = self.lm_head(feats[..., : self.hidden_size])
         paths, bonuses = [], []
-        argmax = logits.argmax(-1).tolist() if sp.greedy else None
+        argmax = kernels.argmax(logits) if sp.greedy else None
         for b in range(len(rows)):
             if sp.greedy:
                 path, bonus = greedy_accept(argmax[b], node_tokens[b], tree.children)
