@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import kernels, lean
+from . import attention, kernels, lean
 from .io import atomic_write_json
 
 if TYPE_CHECKING:
@@ -120,6 +120,8 @@ def machine_info(engine: "Engine") -> dict:
         info["head_layer_kernel"] = type(engine.head.fc).__name__  # (4-bit layers since session 40)
     if engine.head is not None and engine.head.num_layers > 1:  # a deeper head drafts slower (same rule)
         info["head_layers"] = engine.head.num_layers
+    if engine.head is not None and engine.head._step_spec() is not None:  # a draft level in one C call: cheaper
+        info["draft_step"] = True
     return info
 
 
@@ -178,9 +180,13 @@ def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: i
         for _ in range(repeats + 1):
             allowed = torch.ones(top_k, context + top_k, dtype=torch.bool, device=engine.device)
             t0 = engine._clock()
-            out = head(f[:, :top_k], torch.tensor([prompt[:top_k]], device=engine.device),
-                       torch.full((1, top_k), context, device=engine.device), float_mask(allowed, engine.dtype), hcache)
-            torch.topk(torch.log_softmax(head.logits(out[0]).float(), -1), top_k, dim=-1).indices.tolist()
+            # a level as the engine drafts it: one C call where the head has it (`draft_step`)
+            plan = attention.rows_plan(context, [[j] for j in range(top_k)]) if engine.device.type == "cpu" else None
+            if head.draft_step(f[:, :top_k], prompt[:top_k], [context] * top_k, hcache, plan, top_k) is None:
+                out = head(f[:, :top_k], torch.tensor([prompt[:top_k]], device=engine.device),
+                           torch.full((1, top_k), context, device=engine.device), float_mask(allowed, engine.dtype),
+                           hcache)
+                torch.topk(torch.log_softmax(head.logits(out[0]).float(), -1), top_k, dim=-1).indices.tolist()
             dt.append(engine._clock() - t0)
             hcache.crop(context)
         draft = statistics.median(dt[1:])
