@@ -771,6 +771,32 @@ def assert_law(sample, law: torch.Tensor, V: int, n: int) -> None:
     assert chisquare(f_obs, f_exp).pvalue > 1e-3
 
 
+def test_sampling_law_on_the_draft_step(monkeypatch):
+    """Sampled drafts drawn from the law `draft_step` computes in C (a packed target and head, a
+    32-token vocabulary: the C kernels' smallest block): the output's law is still the target's."""
+    from eaglespec import kernels
+    from eaglespec.quant import pack_target
+
+    if not kernels.draft_available():
+        pytest.skip("eaglespec's AVX-512 kernels are not built here")
+    V = 32
+    model = tiny_target("llama", seed=11, vocab=V)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.3)  # flat enough that every branch matters
+    head = good_head(model)
+    pack_target(model)
+    head.set_draft_vocab(torch.arange(V))
+    sp, ids = SamplingParams(temperature=0.9, top_p=0.95, top_k=6), [2, 5, 3]  # law_setup's: 216 outcomes
+    law = exact_three_token_law(model, ids, sp).flatten()
+    eng = Engine(model, head, tree="dynamic:3,3,7", costs=synthetic_costs(0.0, 0.0))
+    laws = []
+    step = eng.head.draft_step
+    monkeypatch.setattr(eng.head, "draft_step", lambda *a, **kw: laws.append(step(*a, **kw)) or laws[-1])
+    accepted = assert_law_of(eng, ids, sp, law, V, 3000, lambda st: max(st.accept_lengths or [0]))
+    assert any(t is not None and t.probs is not None for t in laws)  # the draws came from C's law
+    assert max(accepted) > 1
+
+
 @pytest.mark.parametrize("draft_sampling,tree", [("sample", "chain:1+lookup:3"), ("sample", "dynamic:3,3,0+lookup")])
 def test_sampling_law_with_prompt_lookup_grafts(draft_sampling, tree):
     """Lookup guesses are deterministic proposals next to sampled (or top-k) drafts: the law of the

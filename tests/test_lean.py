@@ -251,8 +251,9 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
     """`draft_step` (the head as one C call) gives the packed head's features and head-cache entries
     bit for bit, for a context block (aux features fused, causal) and a tree level (its plan), and the
     k best draft log-probabilities at a temperature over a reduced vocabulary plus context rows, with
-    their target ids, as torch's log_softmax and topk give them; and the engine's drafted rounds take
-    it, their output still vanilla decoding's."""
+    their target ids, as torch's log_softmax and topk give them, and the whole draft law as softmax
+    gives it; and the engine's drafted rounds take it, their output still vanilla decoding's (the
+    sampling law on this path: test_engine's test_sampling_law_on_the_draft_step)."""
     from eaglespec.attention import rows_plan
 
     model = tiny_target(family, device="cpu")
@@ -283,16 +284,17 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
             return best.values, head.to_target_ids(best.indices).tolist()
 
         ref = head(block, torch.tensor([[4, 7]]), torch.tensor([[8, 9]]), None, caches[0])
-        out, vals, ids = head.draft_step(block, [4, 7], [8, 9], caches[1], None, k, temp, first=1)
+        out, vals, ids, law = head.draft_step(block, [4, 7], [8, 9], caches[1], None, k, temp, first=1, probs=True)
         assert torch.equal(out, ref)
         want_v, want_i = torch_top(ref[:, 1:])
         assert ids == want_i
+        torch.testing.assert_close(law, torch.softmax(head.logits(ref[0, 1:]).float() / temp, -1), rtol=1e-5, atol=1e-7)
         odd = [i for row in ids for i in row if i % 2]
         torch.testing.assert_close(torch.tensor(vals), want_v, rtol=1e-6, atol=1e-5)
         pos = [10, 11, 11, 12, 12]
         ref = head(level, torch.tensor([IDS[:5]]), torch.tensor([pos]), mask, caches[0], plan=rows_plan(10, seen))
-        out, vals, ids = head.draft_step(level, IDS[:5], pos, caches[1], rows_plan(10, seen), k, temp)
-        assert torch.equal(out, ref)
+        out, vals, ids, law = head.draft_step(level, IDS[:5], pos, caches[1], rows_plan(10, seen), k, temp)
+        assert torch.equal(out, ref) and law is None
         want_v, want_i = torch_top(ref)
         assert ids == want_i and odd + [i for row in ids for i in row if i % 2]  # context rows among the best
         torch.testing.assert_close(torch.tensor(vals), want_v, rtol=1e-6, atol=1e-5)

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from . import attention, kernels, lean
 from .cache import KVCache
 from .errors import EaglespecError
-from .head import EagleDraftHead
+from .head import DraftLevel, EagleDraftHead
 from .kernels import bf16dot_available
 from .models import HiddenStateTap
 from .costmodel import CostProfile, DraftGate, LiveCosts, load_or_measure
@@ -91,7 +91,6 @@ class Prediction:
 
 
 Draft = tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers, Prediction | None]
-Top = tuple[list[list[float]], list[list[int]]]  # per node: its k best draft log-probabilities, their target ids
 
 
 @dataclass
@@ -480,11 +479,11 @@ class Engine:
         if ragged:  # each row sees its own committed entries, then its new ones causally
             causal = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(prefix_tree_mask(causal, start, hl), self.dtype)
-        k, temp = self._level_top(sp)  # one sequence: the head, and the root's best tokens, in one C call
+        k, temp, law = self._level_top(sp)  # one sequence: the head, and the root's best tokens, in one C call
         step = None if B > 1 or ragged else self.head.draft_step(feats, rows[0].pending[1], pos[0].tolist(),
-                                                                 head_cache, None, k, temp, first=c - 1)
-        out = self.head(feats, toks, pos, mask, head_cache) if step is None else step[0]
-        root_top = None if step is None or not k else (step[1], step[2])
+                                                                 head_cache, None, k, temp, c - 1, law)
+        out = self.head(feats, toks, pos, mask, head_cache) if step is None else step.features
+        root_level = step if step is not None and k else None
         root_f = torch.stack([out[b, n - 1 : n] for b, n in enumerate(counts)])  # (B, 1, H)
         if ragged or B > 1:
             head_cache.compact_rows(hl.tolist(), start, [list(range(n)) for n in counts])
@@ -492,33 +491,34 @@ class Engine:
             r.head_len += n
         lens = [r.head_len for r in rows]
         if self.dynamic is not None:
-            result = self._grow_dynamic(root_f, rows[0].root, lens, head_cache, sp, gen, t_round, root_top)
+            result = self._grow_dynamic(root_f, rows[0].root, lens, head_cache, sp, gen, t_round, root_level)
         else:
             result = self._grow_static(root_f, [r.root for r in rows], lens, head_cache, sp, gen)
         head_cache.crop(max(lens))
         return result
 
-    def _level_top(self, sp: SamplingParams) -> tuple[int, float]:
-        """How many best draft tokens per node a dynamic tree's levels read, at which temperature;
-        k = 0 where the head's whole distribution is needed (static trees, sampled drafts)."""
-        if self.dynamic is None or not sp.greedy and self.draft_sampling == "sample":
-            return 0, 1.0
-        return self.dynamic.top_k, (1.0 if sp.greedy else sp.temperature)
+    def _level_top(self, sp: SamplingParams) -> tuple[int, float, bool]:
+        """What a dynamic tree's levels read of the head: its k best draft tokens per node, at which
+        temperature, and whether its whole law (sampled drafts draw from it); k = 0 for static trees."""
+        if self.dynamic is None:
+            return 0, 1.0, False
+        sampled = not sp.greedy and self.draft_sampling == "sample"
+        return self.dynamic.top_k, (1.0 if sp.greedy else sp.temperature), sampled
 
     def _head_level(self, parent_f: torch.Tensor, tokens: list[list[int]], lens: list[int], depth: int,
                     allowed: torch.Tensor, head_cache: KVCache, seen: list[list[int]] | None = None, k: int = 0,
-                    temp: float = 1.0) -> tuple[torch.Tensor, Top | None]:
+                    temp: float = 1.0, law: bool = False) -> tuple[torch.Tensor, DraftLevel | None]:
         """One head forward over all nodes of one depth, (B, q, H): each row sees its own committed
         entries and, by tree attention, its nodes' ancestors from earlier levels (`allowed`; for
         one sequence also as lists, `seen`, which spares the kernels' plan a read of the mask). For
-        one sequence on the CPU, with k > 0, also each node's k best draft tokens (`Top`), where the
-        head runs it as one C call (`draft_step`); else None."""
+        one sequence on the CPU, with k > 0, also what `_level_top` asks of each node, where the
+        head runs the level as one C call (`draft_step`); else None."""
         if seen is not None and len(lens) == 1 and not self._cuda:
             plan = attention.rows_plan(lens[0], seen)
             step = self.head.draft_step(parent_f, tokens[0], [lens[0] + depth - 1] * len(tokens[0]), head_cache,
-                                        plan, k, temp)
+                                        plan, k, temp, 0, law)
             if step is not None:
-                return step[0], (step[1], step[2]) if k else None
+                return step.features, step if k else None
         toks = torch.tensor(tokens, device=self.device)
         hl = torch.tensor(lens, device=self.device)
         pos = (hl[:, None] + depth - 1).expand(toks.shape)
@@ -565,30 +565,30 @@ class Engine:
 
     def _expand(self, frontier: list[int], toks: list[int], parents: list[int], slots: list[int],
                 feat: dict[int, torch.Tensor], lens: list[int], depth: int, head_cache: KVCache, k: int = 0,
-                temp: float = 1.0) -> tuple[torch.Tensor, Top | None]:
+                temp: float = 1.0, law: bool = False) -> tuple[torch.Tensor, DraftLevel | None]:
         """One head forward over the frontier candidates of a dynamic tree; each sees its ancestors'
         head-cache entries (`slots` lists the candidates with an entry, in cache order). With k > 0,
-        maybe their k best tokens too (`_head_level`)."""
+        maybe what `_level_top` asks of them too (`_head_level`)."""
         slots += frontier
         col = {c: j for j, c in enumerate(slots)}
         seen = [sorted(col[j] for j in lineage(i, parents)) for i in frontier]  # head-cache entries, ascending
         allowed = visible(seen, range(len(slots)))
         f, top = self._head_level(torch.cat([feat[parents[i]] for i in frontier], dim=1),
-                                  [[toks[i] for i in frontier]], lens, depth, allowed, head_cache, seen, k, temp)
+                                  [[toks[i] for i in frontier]], lens, depth, allowed, head_cache, seen, k, temp, law)
         for r, i in enumerate(frontier):
             feat[i] = f[:, r : r + 1]
         return f, top
 
     def _grow_dynamic(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
-                      sp: SamplingParams, gen: torch.Generator | None, t_round: float, root_top: Top | None = None
-                      ) -> Draft:
+                      sp: SamplingParams, gen: torch.Generator | None, t_round: float,
+                      root_level: DraftLevel | None = None) -> Draft:
         """EAGLE-2: candidates are each expanded node's top-k children, scored by cumulative draft
         log-probability; the best `top_k` of a depth are expanded next, the best overall verified.
         Candidates are deterministic given the head, so they carry a one-hot law (q = None).
-        When sampling with sampled drafts, `_grow_sampled` grows the tree instead. `root_top`: the
-        root's top k, where the head's forward gave it."""
+        When sampling with sampled drafts, `_grow_sampled` grows the tree instead. `root_level`: what
+        the head's forward gave of the root (`_level_top`), if it did."""
         if not sp.greedy and self.draft_sampling == "sample":
-            return self._grow_sampled(root_f, root, lens, head_cache, sp, gen, t_round)
+            return self._grow_sampled(root_f, root, lens, head_cache, sp, gen, t_round, root_level)
         head, dyn = self.head, self.dynamic
         k, temp = dyn.top_k, (1.0 if sp.greedy else sp.temperature)
         toks: list[int] = []
@@ -597,7 +597,7 @@ class Engine:
         scores: list[float] = []
         feat: dict[int, torch.Tensor] = {-1: root_f}
         slots: list[int] = []  # candidates with a head-cache entry, in cache order
-        frontier, f, level_start, levels, top = [-1], root_f, 0, 0, root_top
+        frontier, f, level_start, levels, top = [-1], root_f, 0, 0, root_level
         for d in range(dyn.depth):
             if d > 0:
                 level = range(level_start, len(toks))
@@ -605,12 +605,13 @@ class Engine:
                 if dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
                     break
                 f, top = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache, k, temp)
-            if top is None:
+            if top is not None:
+                vals, ids = top.logprobs, top.ids
+            else:
                 logits = head.logits(f[0]).float()
                 best = torch.topk(torch.log_softmax(logits if temp == 1.0 else logits / temp, -1), k, dim=-1)
-                top = best.values.tolist(), head.to_target_ids(best.indices).tolist()
-            levels += 1
-            (vals, ids), top = top, None
+                vals, ids = best.values.tolist(), head.to_target_ids(best.indices).tolist()
+            levels, top = levels + 1, None
             level_start = len(toks)
             for r, pi in enumerate(frontier):
                 base = 0.0 if pi < 0 else scores[pi]
@@ -630,8 +631,8 @@ class Engine:
         return [[root] + [toks[i] for i in order]], [[None] * tree.n], tree, predicted
 
     def _grow_sampled(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
-                      sp: SamplingParams, gen: torch.Generator | None, t_round: float
-                      ) -> Draft:
+                      sp: SamplingParams, gen: torch.Generator | None, t_round: float,
+                      root_level: DraftLevel | None = None) -> Draft:
         """A dynamic tree of sampled drafts (T > 0). Lossless only if every drawn node is verified
         with the law it was drawn from, so nothing is pruned after drawing: each level first decides,
         from what is already drawn and the expanded nodes' distributions (never from the draws it is
@@ -648,17 +649,20 @@ class Engine:
         laws: list[torch.Tensor | None] = []
         feat: dict[int, torch.Tensor] = {-1: root_f}
         slots: list[int] = []
-        frontier, f, level_start, levels = [-1], root_f, 0, 0
+        frontier, f, level_start, levels, level = [-1], root_f, 0, 0, root_level
         c = [self._rank_ratio(j) for j in range(k)]  # sampled siblings accept less the later they come
         for d in range(dyn.depth):
             if d > 0:
                 frontier = sorted(range(level_start, len(toks)), key=lambda i: (-scores[i], i))[:k]
                 if not frontier or dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
                     break
-                f, _ = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache)
-            q = torch.softmax(head.logits(f[0]).float() / temp, -1)  # (len(frontier), draft vocab)
-            levels += 1
-            planned = torch.topk(q, k, dim=-1).values.tolist()
+                f, level = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache, k, temp, True)
+            if level is not None:  # the law from C, and its k largest values
+                q, planned = level.probs, [[math.exp(v) for v in row] for row in level.logprobs]
+            else:
+                q = torch.softmax(head.logits(f[0]).float() / temp, -1)  # (len(frontier), draft vocab)
+                planned = torch.topk(q, k, dim=-1).values.tolist()
+            levels, level = levels + 1, None
             slot_values = [[math.exp(0.0 if pi < 0 else scores[pi]) * p * c[j] for j, p in enumerate(planned[r])]
                            for r, pi in enumerate(frontier)]
             drawn = [math.exp(x) * c[j] for x, j in zip(scores, ranks)]

@@ -23,7 +23,7 @@ import json
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -37,6 +37,16 @@ from . import attention, kernels
 from .cache import KVCache
 from .lean import STATIC_ROPE, one_call_layers, rope, rope_table, write_slot
 from .tree import float_mask
+
+class DraftLevel(NamedTuple):
+    """`EagleDraftHead.draft_step`'s answer: the rows' new features (1, M, H); with k > 0 each asked
+    row's k best draft log-probabilities and their target ids, best first; with probs its whole
+    draft law over the draft vocabulary (rows, draft ids), as `logits` and a softmax give it."""
+    features: torch.Tensor
+    logprobs: list[list[float]] | None
+    ids: list[list[int]] | None
+    probs: torch.Tensor | None
+
 
 HEAD_FORMAT = "eaglespec-draft-head"
 HEAD_FORMAT_VERSION = 1
@@ -321,11 +331,12 @@ class EagleDraftHead(nn.Module):
 
     def draft_step(self, features: torch.Tensor, tokens: list[int], positions: list[int], cache: Any,
                    plan: tuple[torch.Tensor, ...] | None = None, k: int = 0, temperature: float = 1.0,
-                   first: int = 0) -> tuple[torch.Tensor, list[list[float]] | None, list[list[int]] | None] | None:
+                   first: int = 0, probs: bool = False) -> DraftLevel | None:
         """`forward` on the rows of one sequence (features (1, M, W); plan: `attention.rows_plan` of
         their mask, None = causal) and, with k > 0, rows first..'s k best draft log-probabilities at
-        `temperature` and their target ids, as lists, all in one C call; None where that does not
-        apply (call `forward` and `logits`). About 0.5 ms less per drafted round than the torch path."""
+        `temperature` and their target ids (and with `probs` their whole draft law), all in one C
+        call; None where that does not apply (call `forward` and `logits`). About 0.5 ms less per
+        drafted round than the torch path."""
         m = len(tokens)
         spec = self._step_spec()
         if spec is None or torch.is_grad_enabled() or features.shape[0] != 1 or m > attention.MAX_EXACT_ROWS \
@@ -342,12 +353,13 @@ class EagleDraftHead(nn.Module):
         v_bufs = torch.tensor([lay.v_buf.data_ptr() for lay in cache.layers])
         ctx = self._w_ctx if self.d2t is not None else None
         ids = self._draft_ids() if self.d2t is not None else torch.arange(self.vocab_size)
-        out, vals, top = kernels.draft_step(spec, features[0].contiguous(), torch.tensor(tokens), torch.tensor(positions),
-                                            k_bufs, v_bufs, cache.layers[0].k_buf, slot, plan, first, ctx, ids,
-                                            1.0 / temperature, k)
+        out, vals, top, law = kernels.draft_step(spec, features[0].contiguous(), torch.tensor(tokens),
+                                                 torch.tensor(positions), k_bufs, v_bufs, cache.layers[0].k_buf, slot,
+                                                 plan, first, ctx, ids, 1.0 / temperature, k, probs)
         for lay in cache.layers:
             lay._set_length(slot + m)
-        return out[None], None if vals is None else vals.tolist(), None if top is None else top.tolist()
+        return DraftLevel(out[None], None if vals is None else vals.tolist(), None if top is None else top.tolist(),
+                          law)
 
     def pack(self, kind: str = "packed") -> "EagleDraftHead":
         """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):

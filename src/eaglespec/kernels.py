@@ -114,7 +114,7 @@ def _lib() -> ctypes.CDLL | None:
         lib.decoder_stack.restype = None
     if hasattr(lib, "draft_step"):
         lib.draft_step.argtypes = [P, P, L, L, P, P, P, P, L, L, L, L, L, L, P, P, P, P, P, P, L, P, L, P,
-                                   ctypes.c_float, L, P, P, ctypes.c_int]
+                                   ctypes.c_float, L, P, P, P, ctypes.c_int]
         lib.draft_step.restype = None
     lib.kv_compact.argtypes = [P, L, L, L, L, L, L, P, L, P, P]
     lib.argmax_rows.argtypes, lib.argmax_rows.restype = [P, L, L, P], ctypes.c_int
@@ -447,27 +447,28 @@ class HeadSpec:
 def draft_step(spec: HeadSpec, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                k_bufs: torch.Tensor, v_bufs: torch.Tensor, like: torch.Tensor, slot: int,
                plan: tuple[torch.Tensor, ...] | None, first: int = 0, ctx: torch.Tensor | None = None,
-               ids: torch.Tensor | None = None, inv_temp: float = 1.0, k: int = 0
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+               ids: torch.Tensor | None = None, inv_temp: float = 1.0, k: int = 0, probs: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The draft head over M rows of one sequence (skinny.c's `draft_step`): feat (M, W) fp32
     contiguous, tokens and positions (M,) int64, the head cache's layer buffers as `decoder_stack`
     takes them, plan None = causal. Returns the new features (M, H) and, with k > 0, rows first..'s
     k best log-probabilities (M - first, k) and target ids (`ids` maps draft ids; `ctx` adds rows
-    after the draft LM head's)."""
+    after the draft LM head's), and with `probs` their whole draft law (M - first, draft vocabulary)."""
     m, h = feat.shape[0], spec.embed.shape[1]
     out = torch.empty(m, h)
     vals = torch.empty(m - first, k) if k else None
     top = torch.empty(m - first, k, dtype=torch.long) if k else None
     pb, pi, pn, po, pt = plan if plan is not None else (None,) * 5
     nctx = 0 if ctx is None else ctx.shape[0]
+    law = torch.empty(m - first, spec.lm.n + nctx) if k and probs else None
     _lib().draft_step(ctypes.addressof(spec._struct), feat.data_ptr(), m, feat.shape[1], tokens.data_ptr(),
                       positions.data_ptr(), k_bufs.data_ptr(), v_bufs.data_ptr(), like.stride(0), like.stride(1),
                       like.stride(0), like.stride(1), slot, 0 if plan is None else pb.numel(),
                       *(None if t is None else t.data_ptr() for t in (pb, pi, pn, po, pt)), out.data_ptr(), first,
                       None if ctx is None else ctx.data_ptr(), nctx, None if ids is None else ids.data_ptr(),
                       inv_temp, k, None if vals is None else vals.data_ptr(), None if top is None else top.data_ptr(),
-                      torch.get_num_threads())
-    return out, vals, top
+                      None if law is None else law.data_ptr(), torch.get_num_threads())
+    return out, vals, top, law
 
 
 def argmax(x: torch.Tensor) -> list | int:

@@ -612,8 +612,9 @@ void decoder_stack(const long *layers, long n, float *x, long B, long M, long H,
  * head cache at slot..); out = h. With k > 0, rows first..M-1 also get their k best draft
  * log-probabilities at temperature 1 / inv_temp (the draft LM head's N logits, then the context
  * rows' nctx dot products) and those tokens' target ids (ids[draft index]), best first, ties to the
- * lower index. The head's torch path made ~40 small calls around these kernels: ~0.6 ms of a
- * ~1.1 ms drafted round on 2 cores. */
+ * lower index; with probs, also the whole draft law softmax(logits * inv_temp), (M - first, N + nctx)
+ * (sampled drafts draw from it). The head's torch path made ~40 small calls around these kernels:
+ * ~0.6 ms of a ~1.1 ms drafted round on 2 cores. */
 typedef struct {
     lin_t fc, fuse, lm;     /* fuse.kind < 0: no aux features */
     const float *embed, *aux_norm, *cos, *sin; /* embed (V, H); cos, sin: (P, D) tables by position */
@@ -623,7 +624,7 @@ typedef struct {
 } head_t;
 
 static void top_logprobs(const head_t *E, const float *x, long M, const float *ctx, long nctx, const long *ids,
-                         float inv_temp, long k, float *topv, long *topi, int threads) {
+                         float inv_temp, long k, float *topv, long *topi, float *probs, int threads) {
     long N = E->lm.N, H = E->H;
     float *lg = (float *)malloc(sizeof(float) * M * N), *cg = (float *)malloc(sizeof(float) * (M * nctx + 1));
     run_linear(&E->lm, x, M, lg, threads);
@@ -658,16 +659,30 @@ static void top_logprobs(const head_t *E, const float *x, long M, const float *c
                 }
             }
         float mx = _mm512_reduce_max_ps(vmax);
-        __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(mx * inv_temp), it = _mm512_set1_ps(inv_temp);
+        /* (v - max) * inv_temp, as softmax shifts: exact near the max, where the mass is */
+        __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx), it = _mm512_set1_ps(inv_temp);
         for (int p = 0; p < 2; p++)
             for (long j = 0; j < lens[p]; j += 16) {
                 __mmask16 m = lens[p] - j >= 16 ? 0xFFFF : (__mmask16)((1u << (lens[p] - j)) - 1);
-                __m512 z = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, parts[p] + j), it, shift);
+                __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, parts[p] + j), vmx), it);
                 sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp512(z)));
             }
-        float lse = mx * inv_temp + logf(_mm512_reduce_add_ps(sum));
+        float total = _mm512_reduce_add_ps(sum), lse = logf(total);
+        if (probs) { /* the whole draft law: softmax(logits * inv_temp) over the N + nctx tokens */
+            __m512 inv = _mm512_set1_ps(1.0f / total);
+            for (int p = 0; p < 2; p++)
+                for (long j = 0; j < lens[p]; j += 16) {
+                    __mmask16 m = lens[p] - j >= 16 ? 0xFFFF : (__mmask16)((1u << (lens[p] - j)) - 1);
+                    __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, parts[p] + j), vmx), it);
+                    /* down to expf's underflow as torch's softmax goes (exp512 alone stops at -87.3): which
+                     * tokens have any mass decides which a sampled draft can pick */
+                    __mmask16 live = _mm512_cmp_ps_mask(z, _mm512_set1_ps(-103.9f), _CMP_GE_OQ);
+                    __m512 e = _mm512_mul_ps(exp512(_mm512_add_ps(z, _mm512_set1_ps(16.0f))), _mm512_set1_ps(1.12535175e-7f));
+                    _mm512_mask_storeu_ps(probs + r * (N + nctx) + (p ? N : 0) + j, m, _mm512_maskz_mul_ps(live, e, inv));
+                }
+        }
         for (long j = 0; j < k; j++) {
-            topv[r * k + j] = j < have ? bv[j] * inv_temp - lse : -INFINITY;
+            topv[r * k + j] = j < have ? (bv[j] - mx) * inv_temp - lse : -INFINITY;
             topi[r * k + j] = ids[j < have ? bi[j] : 0];
         }
     }
@@ -678,7 +693,7 @@ void draft_step(const head_t *E, const float *feat, long M, long W, const long *
                 const long *kcs, const long *vcs, long kb, long kh, long vb, long vh, long slot, long R,
                 const long *pb, const long *pi, const long *pn, const long *po, const long *pt, float *out,
                 long first, const float *ctx, long nctx, const long *ids, float inv_temp, long k, float *topv,
-                long *topi, int threads) {
+                long *topi, float *probs, int threads) {
     long H = E->H, D = E->D;
     float *xin = (float *)malloc(sizeof(float) * M * 2 * H), *cs = (float *)malloc(sizeof(float) * 2 * M * D);
     for (long r = 0; r < M; r++) {
@@ -707,7 +722,7 @@ void draft_step(const head_t *E, const float *feat, long M, long W, const long *
         decoder_layer((const layer_t *)E->layers[i], out, 1, M, H, cs, cs + M * D, (float *)kcs[i], (float *)vcs[i],
                       kb, kh, vb, vh, slot, R, pb, pi, pn, po, pt, threads);
     if (k > 0)
-        top_logprobs(E, out + first * H, M - first, ctx, nctx, ids, inv_temp, k, topv, topi, threads);
+        top_logprobs(E, out + first * H, M - first, ctx, nctx, ids, inv_temp, k, topv, topi, probs, threads);
     free(xin), free(cs), free(causal);
 }
 #endif
