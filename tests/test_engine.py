@@ -771,6 +771,24 @@ def assert_law(sample, law: torch.Tensor, V: int, n: int) -> None:
     assert chisquare(f_obs, f_exp).pvalue > 1e-3
 
 
+def test_auto_draws_sampled_drafts_at_most_sampled_auto_depth_levels_deep(monkeypatch):
+    """With free verification `auto` grows deep trees; sampled drafts stop at SAMPLED_AUTO_DEPTH
+    levels (every drawn node is verified), greedy ones do not."""
+    from eaglespec import engine as engine_module
+
+    V, model, head, sp = law_setup()
+    eng = Engine(model, head, tree="auto", costs=synthetic_costs(0.0, 0.0))
+    depths = []
+    verify = eng._verify
+    monkeypatch.setattr(eng, "_verify", lambda rows, tokens, q, tree, *a: depths.append(tree.max_depth)
+                        or verify(rows, tokens, q, tree, *a))
+    eng.generate([2, 5, 3], 40, sampling=sp, seed=0)
+    assert max(depths) == engine_module.SAMPLED_AUTO_DEPTH == 3
+    depths.clear()
+    eng.generate([2, 5, 3], 40)
+    assert max(depths) > 3
+
+
 def test_sampling_law_on_the_draft_step(monkeypatch):
     """Sampled drafts drawn from the law `draft_step` computes in C (a packed target and head, a
     32-token vocabulary: the C kernels' smallest block): the output's law is still the target's."""

@@ -27,6 +27,12 @@ from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain
 from .verify import SamplingParams, greedy_accept, renormalise, sample_accept, sample_token, target_probs
 
 DRAFT_SAMPLING = ("topk", "sample")
+# `auto`'s deepest level for sampled drafts. Every drawn node is verified (none can be pruned after
+# drawing) and a level accepts ~half as often as at T = 0, so deep levels rarely pay. SmolLM2, T = 1,
+# one process, 16 questions (session 42): fp32 depth 1 / 2 / 3 / 6 1.072 / 1.066 / 1.061 / 1.046x
+# vanilla, int4-q8 1.012 / 1.003 / 1.041 / 1.012x; depth 3 against 6 in three more runs: 1.077 /
+# 1.050x, 1.056 / 1.041x (fp32), 1.014 / 0.954x (int4-q8).
+SAMPLED_AUTO_DEPTH = 3
 
 
 @dataclass
@@ -639,7 +645,8 @@ class Engine:
         about to make), how many children each frontier node draws; those are then drawn without
         replacement, in order, and all of them are verified. The j-th child's value is its parent's
         times the head's j-th largest probability at the parent: the shape follows the head's
-        distributions, and the calibration compares acceptance with the same planned values."""
+        distributions, and the calibration compares acceptance with the same planned values. `auto`
+        draws at most `SAMPLED_AUTO_DEPTH` levels."""
         head, dyn = self.head, self.dynamic
         k, temp = dyn.top_k, sp.temperature
         toks: list[int] = []
@@ -651,7 +658,7 @@ class Engine:
         slots: list[int] = []
         frontier, f, level_start, levels, level = [-1], root_f, 0, 0, root_level
         c = [self._rank_ratio(j) for j in range(k)]  # sampled siblings accept less the later they come
-        for d in range(dyn.depth):
+        for d in range(min(dyn.depth, SAMPLED_AUTO_DEPTH) if dyn.auto else dyn.depth):
             if d > 0:
                 frontier = sorted(range(level_start, len(toks)), key=lambda i: (-scores[i], i))[:k]
                 if not frontier or dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
