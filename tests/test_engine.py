@@ -661,6 +661,10 @@ def test_bad_requests(tiny_pair):
     eng = Engine(model, head)
     with pytest.raises(EaglespecError, match="empty"):
         eng.generate([], 5)
+    with pytest.raises(EaglespecError, match="token ids must be in 0..127"):
+        eng.generate([3, 128], 5)  # the C draft path must never see an id past the embedding
+    with pytest.raises(EaglespecError, match="token ids"):
+        eng.generate([-1, 3], 5)
     with pytest.raises(EaglespecError, match="max_new_tokens"):
         eng.generate([3], 0)
     with pytest.raises(EaglespecError, match="context"):

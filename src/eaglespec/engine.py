@@ -258,6 +258,9 @@ class Engine:
             raise EaglespecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
         if len(input_ids) >= self.max_context:
             raise EaglespecError(f"prompt is {len(input_ids)} tokens; the model's context is {self.max_context}")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise EaglespecError(f"token ids must be in 0..{vocab - 1}, got {min(input_ids)}..{max(input_ids)}")
         if method not in ("eagle", "vanilla"):
             raise EaglespecError(f"method must be 'eagle' or 'vanilla', got {method!r}")
         if method == "eagle" and self.head is None:

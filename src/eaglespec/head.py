@@ -38,6 +38,7 @@ from .cache import KVCache
 from .lean import STATIC_ROPE, one_call_layers, rope, rope_table, write_slot
 from .tree import float_mask
 
+
 class DraftLevel(NamedTuple):
     """`EagleDraftHead.draft_step`'s answer: the rows' new features (1, M, H); with k > 0 each asked
     row's k best draft log-probabilities and their target ids, best first; with probs its whole
@@ -352,7 +353,12 @@ class EagleDraftHead(nn.Module):
         k_bufs = torch.tensor([lay.k_buf.data_ptr() for lay in cache.layers])
         v_bufs = torch.tensor([lay.v_buf.data_ptr() for lay in cache.layers])
         ctx = self._w_ctx if self.d2t is not None else None
-        ids = self._draft_ids() if self.d2t is not None else torch.arange(self.vocab_size)
+        if self.d2t is not None:
+            ids = self._draft_ids()
+        else:  # the identity map, made once
+            if getattr(self, "_all_ids", None) is None:
+                self._all_ids = torch.arange(self.vocab_size)
+            ids = self._all_ids
         out, vals, top, law = kernels.draft_step(spec, features[0].contiguous(), torch.tensor(tokens),
                                                  torch.tensor(positions), k_bufs, v_bufs, cache.layers[0].k_buf, slot,
                                                  plan, first, ctx, ids, 1.0 / temperature, k, probs)
