@@ -120,19 +120,19 @@ def test_draft_gate_pauses_drafting_that_loses_and_probes_again():
     prof = gate_curve()  # the curve's plain step: 1 token per second
     gate = DraftGate(prof, warmup=4, pause=4, max_pause=16)
     assert gate.rate() == float("inf") and gate.plain_rate() == 1.0
-    for _ in range(4):  # 2 tokens in 2.25 s (3 levels, 2 nodes, timed as modelled): a loss, judged from the 4th
+    for _ in range(4):  # 2 tokens in 2.75 s (3 levels, 2 nodes, timed as modelled): a loss, judged from the 4th
         assert gate.draft()
-        gate.observe(2, 3, 2, 2.25)
+        gate.observe(2, 3, 2, 2.75)
     assert plain_until_probe(gate) == 4  # four plain steps, then a probe: the head's backlog, then a round
     gate.observe(1, 3, 2, 9.0, backlog=True)  # not counted: the feed's cost is the switch's
     assert gate.draft() and gate.shut
-    gate.observe(2, 3, 2, 2.25)  # the probe loses: a longer pause
+    gate.observe(2, 3, 2, 2.75)  # the probe loses: a longer pause
     assert plain_until_probe(gate) == 8  # each plain step also fades the rounds that shut the gate
     gate.observe(1, 3, 2, 9.0, backlog=True)
-    gate.observe(6, 2, 8, 5.0)  # deep acceptance on a big tree: 6 tokens in 5 s
+    gate.observe(8, 2, 8, 5.0)  # deep acceptance on a big tree: 8 tokens in 5 s
     assert gate.rate() > 1.0 and all(gate.draft() for _ in range(5))  # reopened ...
     assert gate.pause == 8  # ... with the pause halved, not reset: a lucky probe would shut again soon
-    gate.observe(6, 2, 8, 5.0)
+    gate.observe(8, 2, 8, 5.0)
     assert gate.pause == 4
 
 
@@ -157,15 +157,15 @@ def test_draft_gate_judges_a_probe_with_the_rounds_before_it():
     lost does not reopen the gate, however long the pause faded them; a probe must show drafting
     winning outright."""
     gate = DraftGate(gate_curve(), warmup=4, pause=4, max_pause=32)
-    for _ in range(4):  # 2 tokens in 2.5 s: 0.8 tokens/s against the plain step's 1
-        gate.observe(2, 3, 2, 2.5)
+    for _ in range(4):  # 2 tokens in 3 s: 0.67 tokens/s against the plain step's 1
+        gate.observe(2, 3, 2, 3.0)
     for _ in range(3):  # shut; each probe loses and doubles the pause: 4, 8, 16 plain steps
         plain_until_probe(gate)
-        gate.observe(2, 3, 2, 2.5, backlog=True)
-        gate.observe(2, 3, 2, 2.5)
+        gate.observe(2, 3, 2, 3.0, backlog=True)
+        gate.observe(2, 3, 2, 3.0)
     assert plain_until_probe(gate) == 32
-    gate.observe(2, 3, 2, 2.5, backlog=True)
-    gate.observe(3, 3, 2, 2.25)  # a lucky probe: 1.33 tokens/s, above the stay-open bar alone
+    gate.observe(2, 3, 2, 3.0, backlog=True)
+    gate.observe(3, 3, 2, 2.0)  # a lucky probe: 1.5 tokens/s, above the stay-open bar alone
     assert gate.margin < gate.rate() < 1.0 and gate.shut and plain_until_probe(gate) == 32
 
 
