@@ -178,11 +178,11 @@ def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: i
         head(f, torch.tensor([prompt], device=engine.device), pos, cache=hcache)
         dt = []
         for _ in range(repeats + 1):
-            allowed = torch.ones(top_k, context + top_k, dtype=torch.bool, device=engine.device)
             t0 = engine._clock()
             # a level as the engine drafts it: one C call where the head has it (`draft_step`)
             plan = attention.rows_plan(context, [[j] for j in range(top_k)]) if engine.device.type == "cpu" else None
             if head.draft_step(f[:, :top_k], prompt[:top_k], [context] * top_k, hcache, plan, top_k) is None:
+                allowed = torch.ones(top_k, context + top_k, dtype=torch.bool, device=engine.device)
                 out = head(f[:, :top_k], torch.tensor([prompt[:top_k]], device=engine.device),
                            torch.full((1, top_k), context, device=engine.device), float_mask(allowed, engine.dtype),
                            hcache)

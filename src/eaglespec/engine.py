@@ -599,7 +599,7 @@ class Engine:
         if not sp.greedy and self.draft_sampling == "sample":
             return self._grow_sampled(root_f, root, lens, head_cache, sp, gen, t_round, root_level)
         head, dyn = self.head, self.dynamic
-        k, temp = dyn.top_k, (1.0 if sp.greedy else sp.temperature)
+        k, temp, _ = self._level_top(sp)
         toks: list[int] = []
         parents: list[int] = []  # -1 = the root
         ranks: list[int] = []

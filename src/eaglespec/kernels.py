@@ -117,8 +117,8 @@ def _lib() -> ctypes.CDLL | None:
                                    ctypes.c_float, L, P, P, P, ctypes.c_int]
         lib.draft_step.restype = None
     lib.kv_compact.argtypes = [P, L, L, L, L, L, L, P, L, P, P]
-    lib.argmax_rows.argtypes, lib.argmax_rows.restype = [P, L, L, P], ctypes.c_int
     lib.kv_compact.restype = None
+    lib.argmax_rows.argtypes, lib.argmax_rows.restype = [P, L, L, P], ctypes.c_int
     lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
                              ctypes.c_void_p]
     lib.rms_norm.restype = None

@@ -409,6 +409,9 @@ QUANT_LINEAR(skinny_linear_q8, block_q8, 32)
  * q, out: (B, M, H, D) fp32; k, v: fp32 with rows of D at position stride D, batch stride kb / vb and
  * head stride kh / vh; plan row r: batch pb[r], query pi[r], n = pn[r], tail = pt[po[r]..po[r+1]).
  * D % 16 == 0, D <= 256. */
+/* the lanes of a 16-wide step that hold one of the n values left */
+static inline __mmask16 tail16(long n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
+
 static inline __m512 exp512(__m512 x) { /* Cephes' expf: Cody-Waite reduction, degree-6 polynomial */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -451,7 +454,7 @@ void attend_rows(const float *q, long M, long H, long D, const float *k, const f
         }
         __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
         for (long j = 0; j < L; j += 16) {
-            __mmask16 m = L - j >= 16 ? 0xFFFF : (__mmask16)((1u << (L - j)) - 1);
+            __mmask16 m = tail16(L - j);
             __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx)));
             _mm512_mask_storeu_ps(s + j, m, e);
             sum = _mm512_add_ps(sum, e);
@@ -645,7 +648,7 @@ static void top_logprobs(const head_t *E, const float *x, long M, const float *c
         __m512 vmax = _mm512_set1_ps(-3.0e38f);
         for (int p = 0; p < 2; p++) /* the max, and the k largest (an insertion list: k is small) */
             for (long j = 0; j < lens[p]; j += 16) {
-                __mmask16 m = lens[p] - j >= 16 ? 0xFFFF : (__mmask16)((1u << (lens[p] - j)) - 1);
+                __mmask16 m = tail16(lens[p] - j);
                 __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-3.0e38f), m, parts[p] + j);
                 vmax = _mm512_max_ps(vmax, v);
                 __m512 bar = _mm512_set1_ps(have == k ? bv[k - 1] : -INFINITY);
@@ -663,7 +666,7 @@ static void top_logprobs(const head_t *E, const float *x, long M, const float *c
         __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx), it = _mm512_set1_ps(inv_temp);
         for (int p = 0; p < 2; p++)
             for (long j = 0; j < lens[p]; j += 16) {
-                __mmask16 m = lens[p] - j >= 16 ? 0xFFFF : (__mmask16)((1u << (lens[p] - j)) - 1);
+                __mmask16 m = tail16(lens[p] - j);
                 __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, parts[p] + j), vmx), it);
                 sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp512(z)));
             }
@@ -672,7 +675,7 @@ static void top_logprobs(const head_t *E, const float *x, long M, const float *c
             __m512 inv = _mm512_set1_ps(1.0f / total);
             for (int p = 0; p < 2; p++)
                 for (long j = 0; j < lens[p]; j += 16) {
-                    __mmask16 m = lens[p] - j >= 16 ? 0xFFFF : (__mmask16)((1u << (lens[p] - j)) - 1);
+                    __mmask16 m = tail16(lens[p] - j);
                     __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, parts[p] + j), vmx), it);
                     /* down to expf's underflow as torch's softmax goes (exp512 alone stops at -87.3): which
                      * tokens have any mass decides which a sampled draft can pick */
