@@ -919,3 +919,56 @@ def test_kernels_argmax_is_torch_s_first_maximum(kernel_isa):
     x[3, 17] = float("nan")
     assert kernels.argmax(x) == x.argmax(-1).tolist() == [0, 50, 0, 17]
     assert isinstance(kernels.argmax(torch.randn(40, generator=g)), int)
+
+
+def test_kernels_draw_is_the_inverse_cdf_without_replacement(kernel_isa):
+    """`kernels.draw` (sampled decoding's token, sampled drafts' siblings): one draw is torch's
+    cumsum / searchsorted pick for the same uniform (values whose sums are exact, so rounding cannot
+    part them), on rows of any width; k draws follow the law of drawing without replacement (chi-square
+    over every ordered triple of a 6-token row); zero-probability tokens come only once no mass is
+    left, lowest index first; and a negative, NaN or infinite entry hands the row back to torch."""
+    from scipy.stats import chisquare
+
+    from eaglespec import kernels
+
+    g = torch.Generator().manual_seed(0)
+    for v in [1, 5, 16, 17, 1023, 1024, 1025, 3000, 49152]:
+        for _ in range(20):
+            p = torch.randint(0, 8, (v,), generator=g).float() * (torch.rand(v, generator=g) < 0.3) / 8
+            p[torch.randint(0, v, (1,), generator=g)] = 0.5
+            u = torch.rand(1, 1, generator=g, dtype=torch.float64)
+            c = p.double().cumsum(-1)
+            assert int(kernels.draw(p[None], u)) == int(torch.searchsorted(c, u[0] * c[-1], right=True))
+    q = torch.tensor([0.5, 0.2, 0.0, 0.15, 0.1, 0.05])
+    n = 60_000
+    picks = kernels.draw(q.expand(n, 6), torch.rand(n, 3, generator=g, dtype=torch.float64))
+    seqs = [(a, b, c) for a in range(6) for b in range(6) for c in range(6) if len({a, b, c}) == 3 and 2 not in (a, b, c)]
+
+    def law(seq):
+        out, left = 1.0, 1.0
+        for t in seq:
+            out, left = out * float(q[t]) / left, left - float(q[t])
+        return out
+
+    counts = {s: 0 for s in seqs}
+    for row in picks.tolist():
+        counts[tuple(row)] += 1  # a KeyError: a zero-probability token drawn while mass was left
+    want = [law(s) for s in seqs]
+    assert chisquare([counts[s] for s in seqs], [w * n / sum(want) for w in want]).pvalue > 1e-3
+    assert kernels.draw(torch.tensor([[0.0, 0.0, 1.0, 0.0]]), torch.rand(1, 3, dtype=torch.float64)).tolist() == [[2, 0, 1]]
+    for bad in [-1.0, float("nan"), float("inf")]:
+        assert kernels.draw(torch.tensor([[0.5, bad, 0.5]]), torch.rand(1, 1, dtype=torch.float64)) is None
+
+
+def test_kernels_residual_law_is_torch_s(kernel_isa):
+    """`kernels.residual_law` (a rejected draft's residual) is max(0, p - q) renormalised, as torch
+    computes it to float rounding; None where nothing is left (p = q); False where it cannot run."""
+    from eaglespec import kernels
+    from eaglespec.verify import renormalise
+
+    g = torch.Generator().manual_seed(0)
+    for v in [3, 16, 49152]:
+        p, q = (torch.randn(2, v, generator=g) * 3).softmax(-1)
+        torch.testing.assert_close(kernels.residual_law(p, q), renormalise((p - q).clamp_min(0.0)))
+        assert kernels.residual_law(p, p.clone()) is None
+    assert kernels.residual_law(p.double(), q.double()) is False

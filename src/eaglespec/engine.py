@@ -117,9 +117,15 @@ class _Row:
 
 
 def sample_without_replacement(q: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
-    """k draws per row of q (R, V) without replacement, in draw order (Gumbel top-k). When a row has
-    fewer than k non-zero entries, the extra picks are zero-probability tokens chosen
-    deterministically; `sibling_q` then gives them a one-hot q, which is their true law."""
+    """k draws per row of q (R, V) without replacement, in draw order: on the CPU each by inverse
+    CDF from the row without the earlier draws (`kernels.draw`: k uniforms a row), elsewhere by
+    Gumbel top-k (a uniform per token). When a row has fewer than k non-zero entries, the extra
+    picks are zero-probability tokens chosen deterministically; `sibling_q` then gives them a
+    one-hot q, which is their true law."""
+    if q.device.type == "cpu":
+        drawn = kernels.draw(q, torch.rand(q.shape[0], k, generator=gen, dtype=torch.float64))
+        if drawn is not None:
+            return drawn
     u = torch.rand(q.shape, generator=gen, device=q.device).clamp_(1e-20, 1.0)
     keys = q.log() - (-u.log()).log()
     return torch.topk(keys, k, dim=-1).indices

@@ -119,6 +119,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.kv_compact.argtypes = [P, L, L, L, L, L, L, P, L, P, P]
     lib.kv_compact.restype = None
     lib.argmax_rows.argtypes, lib.argmax_rows.restype = [P, L, L, P], ctypes.c_int
+    lib.draw_rows.argtypes, lib.draw_rows.restype = [P, L, L, L, P, P], ctypes.c_int
+    lib.residual_law.argtypes, lib.residual_law.restype = [P, P, L, P], ctypes.c_double
     lib.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
                              ctypes.c_void_p]
     lib.rms_norm.restype = None
@@ -481,6 +483,33 @@ def argmax(x: torch.Tensor) -> list | int:
     if not _lib().argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], out.data_ptr()):
         return x.argmax(-1).tolist()
     return out.view(x.shape[:-1]).tolist()
+
+
+def draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """Per row of p (R, V; fp32, >= 0, unnormalised) k = u.shape[1] inverse-CDF draws without
+    replacement, draw j by its uniform u[r, j] (float64, in [0, 1)) from the row without the earlier
+    draws (skinny.c's `draw_rows`, sums in double); where a row has no mass left, its lowest
+    undrawn indices. None where it cannot run (not an fp32 CPU tensor, k > V, a negative, NaN or
+    infinite entry): the caller draws with torch. Returns (R, k) int64."""
+    if p.dtype != torch.float32 or p.device.type != "cpu" or _lib() is None or u.shape[1] > p.shape[-1]:
+        return None
+    rows, u = p.reshape(-1, p.shape[-1]).contiguous(), u.to(torch.float64).contiguous()
+    out = torch.empty(u.shape, dtype=torch.long)
+    if not _lib().draw_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], u.shape[1], u.data_ptr(), out.data_ptr()):
+        return None
+    return out
+
+
+def residual_law(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None | bool:
+    """max(0, p - q), renormalised (skinny.c's `residual_law`, one pass and the sum in double), for
+    fp32 CPU vectors of one size; None where no mass is left; False where it cannot run (the
+    caller computes it with torch)."""
+    if p.dtype != torch.float32 or q.dtype != torch.float32 or p.device.type != "cpu" or q.device.type != "cpu" \
+            or p.shape != q.shape or _lib() is None:
+        return False
+    p, q = p.contiguous(), q.contiguous()
+    out = torch.empty_like(p)
+    return out if _lib().residual_law(p.data_ptr(), q.data_ptr(), p.numel(), out.data_ptr()) > 0.0 else None
 
 
 def kv_compact(ptrs: torch.Tensor, like: torch.Tensor, dst: list[int], src: int, keeps: list[list[int]]) -> None:
