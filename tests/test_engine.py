@@ -900,7 +900,8 @@ def test_batch_sampling_law_of_first_three_tokens():
 def test_fused_head_reads_the_targets_aux_layers(tiny_pair, tree):
     """EAGLE-3 fusion: a head given aux layers starts exactly as it was (fuse = 0); once `fuse`
     is non-zero the aux hidden states change its predictions, the engine feeds it those layers
-    (its drafts differ from the plain head's), and greedy output is still vanilla's."""
+    (its drafts differ from the plain head's), and greedy output is still vanilla's; no hook stays
+    on the target's layers between forwards (vanilla decoding on the same model must not pay for them)."""
     model, head = tiny_pair
     ids = torch.tensor([PROMPTS[2]], device=model.device)
     hs = model.model(input_ids=ids, output_hidden_states=True).hidden_states
@@ -917,6 +918,7 @@ def test_fused_head_reads_the_targets_aux_layers(tiny_pair, tree):
     draft = eng.generate(PROMPTS[2], 40).stats
     for p in PROMPTS:
         assert eng.generate(p, 40, method="eagle").token_ids == hf_greedy(model, p, 40)
+    assert not any(layer._forward_pre_hooks for layer in model.model.layers)
     if tree == "paper":  # ragged batch rows carry their aux features too
         outs = eng.generate_batch(PROMPTS, 30)
         assert [o.token_ids for o in outs] == [hf_greedy(model, p, 30) for p in PROMPTS]

@@ -156,8 +156,9 @@ def test_one_call_decoder_feeds_hooks_and_falls_back_where_it_must(kind):
                 cache = KVCache(64)
                 model.model(input_ids=torch.tensor([IDS]), past_key_values=cache, use_cache=True)
                 tap._seen.clear()
-                out = model.model(input_ids=torch.tensor([[7, 8]]), position_ids=torch.tensor([[10, 11]]),
-                                  past_key_values=cache, use_cache=True)
+                with tap.capture([1]):
+                    out = model.model(input_ids=torch.tensor([[7, 8]]), position_ids=torch.tensor([[10, 11]]),
+                                      past_key_values=cache, use_cache=True)
                 seen[on] = (tap.read(out, [1])[0].clone(), out.last_hidden_state, cache.get_seq_length())
         finally:
             lean.ONE_CALL = True

@@ -31,18 +31,21 @@ def test_qwen_parts_join_to_the_right_file(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_hidden_state_tap_equals_output_hidden_states(family):
     """The tap's layers are transformers' own `output_hidden_states` (0 = embeddings, top = the
-    final norm's output), bit for bit, on a padded batch too; a second tap on the same decoder
-    adds no second hook."""
+    final norm's output), bit for bit, on a padded batch too; one tap per decoder, whose hooks are
+    there only while it captures (a forward that wants no hidden states, vanilla's, pays nothing)."""
     model = tiny_target(family)
     dec = model.get_decoder()
     layers = [0, 1, dec.config.num_hidden_layers]
     tap = HiddenStateTap.of(dec, layers)
-    assert HiddenStateTap.of(dec, [1]) is tap and len(dec.layers[1]._forward_pre_hooks) == 1
+    assert HiddenStateTap.of(dec, [1]) is tap
     ids = torch.tensor([[5, 9, 17, 33], [7, 100, 3, 0]])
     att = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
     with torch.no_grad():
         want = dec(input_ids=ids, attention_mask=att, output_hidden_states=True).hidden_states
-        out = dec(input_ids=ids, attention_mask=att)
+        with tap.capture(layers):
+            assert len(dec.layers[1]._forward_pre_hooks) == 1
+            out = dec(input_ids=ids, attention_mask=att)
+    assert not any(layer._forward_pre_hooks for layer in dec.layers)
     for got, i in zip(tap.read(out, layers), layers):
         torch.testing.assert_close(got, want[i], atol=0, rtol=0)
     with pytest.raises(EaglespecError, match="aux layers"):

@@ -225,8 +225,10 @@ class Engine:
             past = cache.get_seq_length()
             plan["eaglespec_plan"] = (attention.rows_plan(past, seen) if seen is not None and b == 1
                                       else attention.pack_plan(mask, b, q, past + q))
-        out = self.decoder(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                           use_cache=True, **plan, **self._tap.forward_kwargs(self.aux_layers if aux else []))
+        layers = self.aux_layers if aux else []
+        with self._tap.capture(layers):
+            out = self.decoder(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                               use_cache=True, **plan, **self._tap.forward_kwargs(layers))
         if not aux:
             return out.last_hidden_state
         return torch.cat([out.last_hidden_state] + self._tap.read(out, self.aux_layers), -1)

@@ -61,7 +61,8 @@ def features_for(model, batch: list[list[int]], layers: list[int] | None = None)
     dev = next(model.parameters()).device
     decoder = model.get_decoder()
     tap = HiddenStateTap.of(decoder, layers or [])
-    out = decoder(input_ids=ids.to(dev), attention_mask=att.to(dev), **tap.forward_kwargs(layers or []))
+    with tap.capture(layers or []):
+        out = decoder(input_ids=ids.to(dev), attention_mask=att.to(dev), **tap.forward_kwargs(layers or []))
     h = torch.stack(tap.read(out, layers), 2) if layers else out.last_hidden_state
     return [h[i, : len(x)].float().cpu() for i, x in enumerate(batch)]
 
