@@ -796,6 +796,10 @@ static double block_mass(const float *x, long n) {
     return s;
 }
 
+static inline long draw_block_len(long V, long b) {
+    return V - b * DRAW_BLOCK < DRAW_BLOCK ? V - b * DRAW_BLOCK : DRAW_BLOCK;
+}
+
 static int bad_mass(const float *x, long n) { /* any entry negative or NaN (not >= 0), or infinite */
     int bad = 0;
     for (long i = 0; i < n; i++) bad |= !(x[i] >= 0.0f) | (x[i] == INFINITY);
@@ -814,7 +818,7 @@ int draw_rows(const float *p, long R, long V, long k, const double *u, long *pic
             ok = 0;
             break;
         }
-        for (long b = 0; b < nb; b++) mass[b] = block_mass(row + b * DRAW_BLOCK, V - b * DRAW_BLOCK < DRAW_BLOCK ? V - b * DRAW_BLOCK : DRAW_BLOCK);
+        for (long b = 0; b < nb; b++) mass[b] = block_mass(row + b * DRAW_BLOCK, draw_block_len(V, b));
         for (long j = 0; j < k; j++) {
             double left = 0.0;
             for (long b = 0; b < nb; b++) left += mass[b];
@@ -824,7 +828,7 @@ int draw_rows(const float *p, long R, long V, long k, const double *u, long *pic
                 long b = 0, last = -1;
                 while (b < nb - 1 && acc + mass[b] <= t) acc += mass[b++];
                 for (; b < nb && pick < 0; b++) { /* the block holding t; the next ones if rounding fell short */
-                    long lo = b * DRAW_BLOCK, n = V - lo < DRAW_BLOCK ? V - lo : DRAW_BLOCK;
+                    long lo = b * DRAW_BLOCK, n = draw_block_len(V, b);
                     memcpy(buf, row + lo, sizeof(float) * n);
                     for (long i = 0; i < j; i++)
                         if (out[i] >= lo && out[i] < lo + n) buf[out[i] - lo] = 0.0f;
@@ -854,7 +858,7 @@ int draw_rows(const float *p, long R, long V, long k, const double *u, long *pic
                 }
             out[j] = pick;
             if (pick >= 0 && row[pick] > 0.0f) { /* its block's mass, without every pick so far */
-                long b = pick / DRAW_BLOCK, lo = b * DRAW_BLOCK, n = V - lo < DRAW_BLOCK ? V - lo : DRAW_BLOCK;
+                long b = pick / DRAW_BLOCK, lo = b * DRAW_BLOCK, n = draw_block_len(V, b);
                 memcpy(buf, row + lo, sizeof(float) * n);
                 for (long i = 0; i <= j; i++)
                     if (out[i] >= lo && out[i] < lo + n) buf[out[i] - lo] = 0.0f;
@@ -868,7 +872,7 @@ int draw_rows(const float *p, long R, long V, long k, const double *u, long *pic
 
 /* out = max(0, p - q) / its sum (n fp32 values, the sum in double): speculative sampling's residual
  * law after a rejected draft (torch's subtract, clamp, sum and divide read 49k-token rows four
- * times). Returns the sum; 0 (out unwritten) where nothing is left. */
+ * times). Returns the sum; 0 where nothing is left (out then holds zeros). */
 double residual_law(const float *p, const float *q, long n, float *out) {
     double s = 0.0;
     long i = 0;

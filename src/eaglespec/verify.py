@@ -122,7 +122,7 @@ def speculative_step(
         r = float(torch.rand((), generator=generator, device=p.device))
         if q_tok > 0 and r < p_tok / q_tok:
             return i, tok
-        nxt = False if q is None else kernels.residual_law(p, q)
+        nxt = False if q is None else kernels.residual_law(p, q)  # False: torch computes it
         if nxt is False:
             if q is None:
                 residual = p.clone()
