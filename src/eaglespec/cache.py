@@ -116,7 +116,7 @@ class KVCache(Cache):
     def __init__(self, max_len: int):
         super().__init__(layer_class_to_replicate=lambda: PreallocLayer(max_len))
         self.max_len = max_len
-        self._compaction: tuple | None = None  # (what it was made for, `_one_call_buffers`' answer)
+        self._buffers: tuple | None = None  # (what it was made for, `_addresses`' answer)
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         for layer in self.layers:
@@ -139,22 +139,37 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.compact_rows(dst, src, [torch.tensor(k, dtype=torch.long, device=device) for k in keeps])
 
+    def buffer_addresses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer's key and value buffer addresses (int64, layer order), as the kernels that take
+        all layers in one call read them (`decoder_stack`, `draft_step`); None until every layer is
+        allocated."""
+        found = self._addresses()
+        return None if found is None else found[:2]
+
     def _one_call_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where `kernels.kv_compact` can move every layer's rows at once (its kernels here, fp32 CPU
-        buffers alike in shape, contiguous): their addresses and one of them, remembered until the
-        buffers change (checking 60 buffers every round cost ~25 us)."""
-        if not kernels.available() or not self.layers or not all(layer.is_initialized for layer in self.layers):
+        buffers alike in shape, contiguous): their addresses and one of them."""
+        found = self._addresses() if kernels.available() else None
+        return None if found is None else found[2]
+
+    def _addresses(self) -> tuple | None:
+        """(key addresses, value addresses, `_one_call_buffers`' answer), remembered until the buffers
+        change, which they do all at once (allocation, select_rows): 60 addresses and the compaction's
+        checks every forward cost ~25 us."""
+        if not self.layers or not all(layer.is_initialized for layer in self.layers):
             return None
-        like = self.layers[0].k_buf
-        key = (len(self.layers), like, self.layers[-1].v_buf)  # buffers change all at once (select_rows)
-        old = self._compaction
-        if old is not None and old[0][0] == key[0] and old[0][1] is like and old[0][2] is key[2]:
+        like, last = self.layers[0].k_buf, self.layers[-1].v_buf
+        old = self._buffers
+        if old is not None and old[0][0] == len(self.layers) and old[0][1] is like and old[0][2] is last:
             return old[1]
         bufs = [t for layer in self.layers for t in (layer.k_buf, layer.v_buf)]
         ok = like.dtype == torch.float32 and like.device.type == "cpu" and all(
             t.shape == like.shape and t.is_contiguous() and t.dtype == like.dtype for t in bufs)
-        self._compaction = (key, (torch.tensor([t.data_ptr() for t in bufs]), like) if ok else None)
-        return self._compaction[1]
+        k_ptrs = torch.tensor([layer.k_buf.data_ptr() for layer in self.layers])
+        v_ptrs = torch.tensor([layer.v_buf.data_ptr() for layer in self.layers])
+        compaction = (torch.cat([k_ptrs, v_ptrs]), like) if ok else None
+        self._buffers = ((len(self.layers), like, last), (k_ptrs, v_ptrs, compaction))
+        return self._buffers[1]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished sequences leave the batch)."""

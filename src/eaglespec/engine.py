@@ -659,7 +659,7 @@ class Engine:
         distributions, and the calibration compares acceptance with the same planned values. `auto`
         draws at most `SAMPLED_AUTO_DEPTH` levels."""
         head, dyn = self.head, self.dynamic
-        k, temp = dyn.top_k, sp.temperature
+        k, temp, _ = self._level_top(sp)
         toks: list[int] = []
         parents: list[int] = []
         ranks: list[int] = []

@@ -350,8 +350,7 @@ class EagleDraftHead(nn.Module):
         cos, sin = rope_table(self.rotary, features, max(positions) + 1)
         if cos.data_ptr() != spec.rope[0].data_ptr():
             spec.set_rope(cos, sin)
-        k_bufs = torch.tensor([lay.k_buf.data_ptr() for lay in cache.layers])
-        v_bufs = torch.tensor([lay.v_buf.data_ptr() for lay in cache.layers])
+        k_bufs, v_bufs = cache.buffer_addresses()
         ctx = self._w_ctx if self.d2t is not None else None
         if self.d2t is not None:
             ids = self._draft_ids()

@@ -202,8 +202,7 @@ def _stack_call(self: nn.Module, input_ids, attention_mask, position_ids, cache,
         return None
     cos, sin, plan = _rows_inputs(rope(self.rotary_emb, h, position_ids.expand(b, m)), attention_mask, kwargs, b, m, slot)
     x = h.contiguous()  # a fresh tensor: the layers update it in place
-    k_bufs = torch.tensor([lay.k_buf.data_ptr() for lay in layers])
-    v_bufs = torch.tensor([lay.v_buf.data_ptr() for lay in layers])
+    k_bufs, v_bufs = cache.buffer_addresses()
     start = 0
     for i in [i for i, layer in enumerate(self.layers) if layer._forward_pre_hooks] + [len(layers)]:
         if i > start:
