@@ -46,10 +46,14 @@ for stage in $STAGES; do
         int8="$OUT/profile-int8/cost_curve.json" int4="$OUT/profile-int4/cost_curve.json" \
         bf16="$OUT/profile-bf16/cost_curve.json" "${DOT[@]}" --out "$OUT/profile-all" \
         | tee "$OUT/profile-all.md" ;;
+    curve)     # the fp32 target's cost curve alone, with the kernels of the other fp32 stages (profile measures every kind)
+      K=$(fp32_kernels)
+      eaglespec profile $K --out "$OUT/curve" | tee "$OUT/curve.md" ;;
     ablation)  # which tree: paper vs chain vs dynamic vs auto, MT-bench first turns, T=0
       K=$(fp32_kernels)
       eaglespec bench $K --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
-        --methods vanilla,eagle,eagle-chain,eagle@chain:1,eagle@chain:2,eagle@dynamic:4,3,8,eagle@auto,eagle@auto+lookup --out "$OUT/ablation" ;;
+        --methods vanilla,eagle,eagle-chain,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:4,3,8,eagle@dynamic:6,4,16,eagle@auto,eagle@auto+lookup \
+        --out "$OUT/ablation" ;;
     ablation-int4)  # the same question for the int4 target, whose cost curve differs
       eaglespec bench --quantize int4 --dataset mt_bench --first-turn-only --limit 6 --temperature 0 --tree paper \
         --methods vanilla,eagle@chain:1,eagle@chain:2,eagle@chain:3,eagle@dynamic:3,3,4,eagle@auto,eagle@auto+lookup --out "$OUT/ablation-int4" ;;

@@ -31,7 +31,7 @@ def test_bench_end_to_end(tiny_dirs, tmp_path, capsys):
     rows = {(r["dataset"], r["temperature"], r["method"]): r for r in res["summary"]}
     eagle = rows[(str(qfile), 0.0, "eagle")]
     for key in ("tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf", "median_ratio_vs_vanilla", "tau", "n_alpha",
-                "time_split", "greedy_equal"):
+                "time_split", "free_draft_speedup", "greedy_equal"):
         assert key in eagle
     assert eagle["greedy_equal"] is True and eagle["tau"] > 1
     assert rows[(str(qfile), 0.0, "eagle@dynamic:3,2,5")]["greedy_equal"] is True  # a tree-ablation row
@@ -76,7 +76,26 @@ def test_decode_speedup_leaves_the_prefill_out():
     cfg = dict(model="m", head=None, tree="auto", chain="chain:5", max_new_tokens=8, limit=8, spread=True)
     mach = dict(cpu="c", threads=1, torch="t", transformers="x", date="now")
     md = report_markdown({"config": cfg, "machine": mach, "summary": list(rows.values()), "skipped": {}})
-    assert "| 1.33x | 1.60x | 1.33x | 2.00x |" in md and "limit: 8 (spread)" in md
+    assert "| 1.33x | 1.60x | 1.33x | 2.00x | n/a |" in md and "limit: 8 (spread)" in md
+
+
+def test_free_draft_speedup_counts_only_the_target_s_decoding_forwards():
+    """Vanilla verifies its 10 decoded tokens in 0.4 s, EAGLE in 0.2 s (plus 0.3 s of drafting):
+    2x if drafting were free, whatever the drafting and the prefill cost."""
+    from types import SimpleNamespace
+
+    from eaglespec.bench.harness import summarize
+
+    recs = [{"dataset": "d", "temperature": 0.0, "method": m, "question_id": 0, "turn": 0, "new_tokens": 11,
+             "time_s": t, "prefill_time_s": 0.5, "verify_time_s": v, "draft_time_s": dr, "rounds": 5, "accepted": 10,
+             "alpha_accepted": [], "alpha_total": []}
+            for m, t, v, dr in (("vanilla", 1.0, 0.4, 0.0), ("eagle", 1.05, 0.2, 0.3))]
+    recs.append({"dataset": "d", "temperature": 0.0, "method": "hf", "question_id": 0, "turn": 0, "new_tokens": 11,
+                 "time_s": 1.2})
+    rows = {r["method"]: r for r in summarize(recs, SimpleNamespace(methods=["vanilla", "eagle", "hf"]))}
+    assert rows["eagle"]["free_draft_speedup"] == pytest.approx(2.0)
+    assert rows["vanilla"]["free_draft_speedup"] == pytest.approx(1.0) and rows["hf"]["free_draft_speedup"] is None
+    assert rows["eagle"]["speedup_vs_vanilla"] < 1  # slower as run: the drafting ate the gain
 
 
 def test_spread_questions_cover_the_set():
