@@ -793,9 +793,11 @@ def test_auto_draws_sampled_drafts_at_most_sampled_auto_depth_levels_deep(monkey
     assert max(depths) > 3
 
 
-def test_sampling_law_on_the_draft_step(monkeypatch):
+@pytest.mark.parametrize("tree", ["dynamic:3,3,7", [[0], [1], [0, 0], [0, 1], [1, 0]]])
+def test_sampling_law_on_the_draft_step(monkeypatch, tree):
     """Sampled drafts drawn from the law `draft_step` computes in C (a packed target and head, a
-    32-token vocabulary: the C kernels' smallest block): the output's law is still the target's."""
+    32-token vocabulary: the C kernels' smallest block), in a dynamic tree and in a static one: the
+    output's law is still the target's."""
     from eaglespec import kernels
     from eaglespec.quant import pack_target
 
@@ -810,7 +812,7 @@ def test_sampling_law_on_the_draft_step(monkeypatch):
     head.set_draft_vocab(torch.arange(V))
     sp, ids = SamplingParams(temperature=0.9, top_p=0.95, top_k=6), [2, 5, 3]  # law_setup's: 216 outcomes
     law = exact_three_token_law(model, ids, sp).flatten()
-    eng = Engine(model, head, tree="dynamic:3,3,7", costs=synthetic_costs(0.0, 0.0))
+    eng = Engine(model, head, tree=tree, costs=synthetic_costs(0.0, 0.0))
     laws = []
     step = eng.head.draft_step
     monkeypatch.setattr(eng.head, "draft_step", lambda *a, **kw: laws.append(step(*a, **kw)) or laws[-1])

@@ -308,7 +308,10 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
     taken = []
     step = head.draft_step
     monkeypatch.setattr(head, "draft_step", lambda *a, **kw: taken.append(step(*a, **kw)) or taken[-1])
-    eng = Engine(model, head, tree="dynamic:3,3,8")
-    out = eng.generate(IDS, 40)
-    assert out.token_ids == eng.generate(IDS, 40, method="vanilla").token_ids and max(out.stats.accept_lengths) > 1
-    assert taken[0] is None and None not in taken[1:] and taken[-1][1] is not None  # all after the prompt's in C
+    for tree in ("dynamic:3,3,8", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]):  # a static tree's levels too
+        taken.clear()
+        eng = Engine(model, head, tree=tree)
+        out = eng.generate(IDS, 40)
+        assert out.token_ids == eng.generate(IDS, 40, method="vanilla").token_ids and max(out.stats.accept_lengths) > 1
+        assert taken[0] is None and None not in taken[1:]  # all after the prompt's in C
+        assert all(t.ids is not None for t in taken[1:])  # with their best tokens

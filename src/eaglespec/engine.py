@@ -510,17 +510,17 @@ class Engine:
         if self.dynamic is not None:
             result = self._grow_dynamic(root_f, rows[0].root, lens, head_cache, sp, gen, t_round, root_level)
         else:
-            result = self._grow_static(root_f, [r.root for r in rows], lens, head_cache, sp, gen)
+            result = self._grow_static(root_f, [r.root for r in rows], lens, head_cache, sp, gen, root_level)
         head_cache.crop(max(lens))
         return result
 
     def _level_top(self, sp: SamplingParams) -> tuple[int, float, bool]:
-        """What a dynamic tree's levels read of the head: its k best draft tokens per node, at which
-        temperature, and whether its whole law (sampled drafts draw from it); k = 0 for static trees."""
-        if self.dynamic is None:
-            return 0, 1.0, False
+        """What the root's level reads of the head: its k best draft tokens (a static tree: as many
+        as the root has children), at which temperature, and whether its whole law (sampled drafts
+        draw from it)."""
         sampled = not sp.greedy and self.draft_sampling == "sample"
-        return self.dynamic.top_k, (1.0 if sp.greedy else sp.temperature), sampled
+        k = self.dynamic.top_k if self.dynamic is not None else self.tree.expand_topk[0]
+        return k, (1.0 if sp.greedy else sp.temperature), sampled
 
     def _head_level(self, parent_f: torch.Tensor, tokens: list[list[int]], lens: list[int], depth: int,
                     allowed: torch.Tensor, head_cache: KVCache, seen: list[list[int]] | None = None, k: int = 0,
@@ -545,29 +545,39 @@ class Engine:
         return self.head(parent_f, toks, pos, mask, head_cache, plan=plan), None
 
     def _grow_static(self, root_f: torch.Tensor, roots: list[int], lens: list[int], head_cache: KVCache,
-                     sp: SamplingParams, gen: torch.Generator | None) -> Draft:
+                     sp: SamplingParams, gen: torch.Generator | None, root_level: DraftLevel | None = None) -> Draft:
+        """The fixed tree's nodes, level by level: each expanded node's best (or, sampling, drawn)
+        draft tokens. One sequence on the CPU runs each level in one C call (`_head_level`) and
+        reads its tokens and law from it, as dynamic trees do; `root_level`: the root's, if the
+        head's forward gave it."""
         head, tree = self.head, self.tree
         B = len(roots)
+        _, temp, sampled = self._level_top(sp)
+        one = B == 1 and not self._cuda  # the levels' C path, which reads tree.draft_seen
         node_feat: dict[int, torch.Tensor] = {0: root_f}  # (B, 1, H) per expanded node
         node_tokens = [[root] + [0] * (tree.n - 1) for root in roots]
         node_q: list[list[torch.Tensor | None]] = [[None] * tree.n for _ in roots]
         for d in range(tree.max_depth):
             nodes = tree.expand_nodes[d]
+            k = tree.expand_topk[d]
             if d == 0:
-                f = root_f
+                f, top = root_f, root_level
             else:
                 parents_f = torch.cat([node_feat[tree.parent[i]] for i in nodes], dim=1)
-                f, _ = self._head_level(parents_f, [[row[i] for i in nodes] for row in node_tokens], lens, d,
-                                        tree.draft_masks[d], head_cache)
+                f, top = self._head_level(parents_f, [[row[i] for i in nodes] for row in node_tokens], lens, d,
+                                          tree.draft_masks[d], head_cache, tree.draft_seen[d] if one else None,
+                                          k if one else 0, temp, sampled)
                 for j, i in enumerate(nodes):
                     node_feat[i] = f[:, j : j + 1]
-            logits = head.logits(f).float().flatten(0, 1)  # (B * len(nodes), draft vocab)
-            k = tree.expand_topk[d]
-            if sp.greedy or self.draft_sampling == "topk":
-                picks = head.to_target_ids(torch.topk(logits, k, dim=-1).indices).tolist()
-                qs = None
+            if top is not None:  # from C: the best target ids, or the law to draw from
+                q_draft = top.probs if sampled else None
+                picks = [row[:k] for row in top.ids] if q_draft is None else None
             else:
-                q_draft = torch.softmax(logits / sp.temperature, -1)
+                logits = head.logits(f).float().flatten(0, 1)  # (B * len(nodes), draft vocab)
+                q_draft = torch.softmax(logits / sp.temperature, -1) if sampled else None
+                picks = head.to_target_ids(torch.topk(logits, k, dim=-1).indices).tolist() if not sampled else None
+            qs = None
+            if q_draft is not None:
                 picks = head.to_target_ids(sample_without_replacement(q_draft, k, gen)).tolist()
                 qs = head.to_target_probs(q_draft)
             for b in range(B):

@@ -256,6 +256,12 @@ class TreeBuffers:
             masks.append(visible([self.ancestors[i] for i in self.expand_nodes[d]], slots))
         return masks
 
+    @cached_property
+    def draft_seen(self) -> list[list[list[int]]]:
+        """`draft_masks` as lists (one sequence's draft step reads them): per level d >= 1, per
+        expanded node, the head-cache entries of this round it sees, ascending."""
+        return [[row.nonzero().flatten().tolist() for row in mask] for mask in self.draft_masks]
+
 
 def build_tree(spec: str | list[list[int]]) -> TreeBuffers:
     raw = parse_tree(spec)
