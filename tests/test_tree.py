@@ -155,3 +155,14 @@ def test_split_lookup():
     for bad in ("auto+lookup:0", "auto+lookup:x", "auto+lookupy", "auto+lookup:99"):
         with pytest.raises(ValueError, match="lookup"):
             split_lookup(bad)
+
+
+def test_build_tree_remembers_shapes_and_still_checks_them():
+    """A dynamic tree is built every round: one shape is built once (whatever the paths' order), and
+    a remembered shape does not let a bad one through."""
+    a = build_tree([[0], [1], [0, 0]])
+    assert build_tree([[0, 0], [1], [0]]) is a and a.n == 4 and a.children[0] == [1, 2]
+    assert build_tree([[0], [1]]) is not a
+    for bad in ([[0], [0]], [[0], [1, 0, 0]], [[-1]]):
+        with pytest.raises(ValueError):
+            build_tree(bad)

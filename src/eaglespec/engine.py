@@ -134,8 +134,9 @@ def sample_without_replacement(q: torch.Tensor, k: int, gen: torch.Generator | N
 def sibling_q(q: torch.Tensor, earlier: list[int], token: int) -> torch.Tensor | None:
     """The distribution a sibling was drawn from: q without the earlier siblings, renormalised
     (None = one-hot: the pick was deterministic)."""
-    qc = q.clone()
+    qc = q
     if earlier:
+        qc = q.clone()
         qc[earlier] = 0.0
     if float(qc[token]) <= 0.0:
         return None
