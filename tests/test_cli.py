@@ -82,6 +82,7 @@ def test_generate_streams_text(tiny_dirs, gen):
     (["--prompt", " ".join(["w3"] * 600)], "context"),
     (["--prompt", "w3", "--tree", "bushy"], "unknown tree"),
     (["--prompt", "w3", "--tree", "dynamic:9,9"], "DEPTH"),
+    (["--prompt", "w3", "--sampled-tree", "bushy"], "unknown tree"),
     (["--prompt", "w3", "--compile", "--quantize", "int8"], "plain fp32"),
 ])
 def test_bad_input(tiny_dirs, gen, extra, msg):
@@ -139,6 +140,18 @@ def test_profile_writes_curve_and_auto_uses_it(tiny_dirs, run, gen, tmp_path, mo
     assert "measuring" not in err  # the profile just written is reused
     rc, van, _ = gen(tiny_dirs, "--prompt", "w5 w9 w17", "--max-new-tokens", "12", "--json", "--method", "vanilla")
     assert json.loads(out)["token_ids"] == json.loads(van)["token_ids"]
+
+
+def test_sampled_requests_say_which_tree_drafted_them(tiny_dirs, gen):
+    """On a CPU the default tree (auto+lookup) drafts one sampled token a round at T > 0, and the
+    JSON says so; --sampled-tree same keeps auto+lookup."""
+    args = ("--prompt", "w5 w9 w17", "--max-new-tokens", "8", "--json", "--temperature", "1", "--seed", "3")
+    rc, out, err = gen(tiny_dirs, *args)
+    assert rc == 0, err
+    assert json.loads(out)["tree"] == "chain:1"
+    rc, out, err = gen(tiny_dirs, *args, "--sampled-tree", "same")
+    assert rc == 0, err
+    assert json.loads(out)["tree"] == "auto+lookup"
 
 
 def test_profile_compare_overlays_saved_curves(run, tmp_path):

@@ -214,7 +214,7 @@ def test_sampling_law_real_model(smol):
     small = [k for k in keys if law[k] * n < 5]
     # the paper tree drafts static sampled children; auto grows a sampled dynamic tree (_grow_sampled)
     for tree in ("paper", "auto"):
-        eng = Engine(model, head, tree=tree, costs=costs)
+        eng = Engine(model, head, tree=tree, costs=costs, sampled_tree=None)
         counts = dict.fromkeys(law, 0)
         multi = 0
         for s in range(n):

@@ -91,6 +91,10 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None, help=TREE_HELP)
     p.add_argument("--draft-sampling", choices=["topk", "sample"], default="sample",
                    help="at temperature > 0: children are the head's top-k (q one-hot) or sampled from it")
+    p.add_argument("--sampled-tree", default="default", metavar="TREE",
+                   help="the tree at temperature > 0: 'default' = chain:1 where --tree is auto[+lookup] on a CPU (one "
+                        "sampled draft a round measured faster than any sampled tree auto grew), else --tree; "
+                        "'same' = --tree; or any --tree value")
     p.add_argument("--device", default="cpu")
     _add_target_kernels(p)
 
@@ -242,7 +246,8 @@ def _load_engine(a: argparse.Namespace):
         if head_path is None:
             raise EaglespecError(f"no draft head shipped for {a.model}; pass --head PATH or --method vanilla")
         head = EagleDraftHead.from_pretrained(head_path, model, draft_vocab=a.draft_vocab)
-    return Engine(model, head, tree=a.tree, draft_sampling=a.draft_sampling), tok
+    return Engine(model, head, tree=a.tree, draft_sampling=a.draft_sampling,
+                  sampled_tree=None if a.sampled_tree == "same" else a.sampled_tree), tok
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -262,7 +267,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         out = eng.generate(ids, a.max_new_tokens, sp, a.method, a.seed, eos)
         text = tok.decode(out.token_ids, skip_special_tokens=True)
         print(json.dumps({"text": text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "method": a.method, "tree": a.tree if a.method == "eagle" else None,
+                          "method": a.method,
+                          "tree": (eng.sampled_tree if not sp.greedy and eng.sampled_tree else a.tree)
+                          if a.method == "eagle" else None,
                           "prompt_tokens": len(ids), **out.stats.to_dict()}))
         return 0
     _print_stream(eng, tok, ids, a, sp, eos)

@@ -144,11 +144,14 @@ def sibling_q(q: torch.Tensor, earlier: list[int], token: int) -> torch.Tensor |
 
 
 class Engine:
-    """EAGLE (and vanilla) generation for one target model and an optional draft head. Batch size 1."""
+    """EAGLE (and vanilla) generation for one target model and an optional draft head. `tree` drafts
+    every request; `sampled_tree`, if not None, those at temperature > 0 (through an engine of its own
+    on the same model and head; "default": chain:1 where `tree` is the `auto` preset on a CPU)."""
 
     def __init__(self, model: PreTrainedModel, head: EagleDraftHead | None = None,
                  tree: str | list[list[int]] | DynamicTree = "paper", draft_sampling: str = "sample",
-                 costs: CostProfile | None = None, sink_layers: list[int] | None = None):
+                 costs: CostProfile | None = None, sink_layers: list[int] | None = None,
+                 sampled_tree: str | list[list[int]] | None = "default"):
         if draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}")
         if getattr(model.config, "final_logit_softcapping", None):
@@ -169,6 +172,7 @@ class Engine:
             # `head.pack(...)` before the engine keeps another choice
             self.head.pack("int4-q8" if bf16dot_available() else
                            quant if quant in ("int4", "bf16", "bf16-dot", "int4-dot") else "packed")
+        named_auto = isinstance(tree, str) and split_lookup(tree)[0] == "auto"
         tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (batch 1)
         spec = parse_spec(tree)
         # a static tree is built once; a dynamic one is regrown by the head every round
@@ -194,6 +198,15 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
         self._cuda = self.device.type == "cuda"
+        # T > 0: the tree sampled requests draft with (another engine's), None = this one. `auto` on a
+        # CPU drafts one sampled token a round: every sampled tree it grew, and its lookup grafts,
+        # lost to that on this project's CPUs (BENCHMARKS.md), its planning costing more than it won
+        if sampled_tree == "default":
+            sampled_tree = "chain:1" if named_auto and head is not None and self.device.type == "cpu" else None
+        if sampled_tree is not None:
+            parse_spec(split_lookup(sampled_tree)[0])  # a bad spec fails here, not at the first sampled request
+        self.sampled_tree = sampled_tree
+        self._sampled: Engine | None = None
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # row-exact attention on skinny.c's kernel: its plan is made here once per forward, outside
@@ -320,6 +333,13 @@ class Engine:
         """The loop. Yields, once per target forward, (row, new tokens, finish reason or None) events.
         `feature_sink[i]` collects row i's features of every token fed to the target, in order."""
         sp = sampling or SamplingParams()
+        if method == "eagle" and not sp.greedy and self.sampled_tree is not None:
+            if self._sampled is None:
+                self._sampled = Engine(self.model, self.head, tree=self.sampled_tree, draft_sampling=self.draft_sampling,
+                                       sink_layers=self.sink_layers, sampled_tree=None)
+            yield from self._sampled._decode(prompts, max_new_tokens, sp, method, seed, eos_token_ids, stats,
+                                             feature_sink)
+            return
         for ids in prompts:
             self.check_request(ids, max_new_tokens, method)
         eagle = method == "eagle" and (self.dynamic is not None or self.tree.n > 1)

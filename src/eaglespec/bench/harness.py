@@ -126,7 +126,9 @@ class Runner:
         if method.startswith("eagle") and "eagle" not in self.engines:
             return "needs a draft head"
         if method.startswith("eagle@") and method not in self.engines:
-            self.engines[method] = Engine(self.model, self.engines["eagle"].head, tree=method.split("@", 1)[1])
+            # eagle@TREE: that tree at every temperature (`eagle` is the default engine's choice)
+            self.engines[method] = Engine(self.model, self.engines["eagle"].head, tree=method.split("@", 1)[1],
+                                          sampled_tree=None)
         return None
 
     def _llama(self, method: str):
