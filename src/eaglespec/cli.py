@@ -44,7 +44,7 @@ DRAFT_VOCAB_HELP = ("context (default): the tokens the head was trained to propo
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve); append +lookup[:L] to graft up "
              "to L (default 8) prompt-lookup tokens onto every tree (batch size 1). Default: auto+lookup on a "
-             "CPU, paper elsewhere")
+             "CPU (at temperature > 0 one sampled draft a round there: see --sampled-tree), paper elsewhere")
 
 
 def default_tree(device: str) -> str:
