@@ -698,7 +698,7 @@ def test_sampling_law_of_first_three_tokens(draft_sampling, tree):
     assert_law(lambda s: eng.generate(ids, 3, sampling=sp, seed=s).token_ids, law, V, 4000)
 
 
-def test_auto_samples_with_one_drafted_token_on_a_cpu_unless_told_otherwise():
+def test_auto_samples_with_one_drafted_token_on_a_cpu_unless_told_otherwise(monkeypatch):
     """`auto[+lookup]` on a CPU drafts one sampled token a round at T > 0 (another engine's chain:1,
     whose law is tested above), and its own tree at T = 0; `sampled_tree` names another tree or
     (None) keeps `auto`'s; a bad one fails when the engine is made."""
@@ -707,22 +707,21 @@ def test_auto_samples_with_one_drafted_token_on_a_cpu_unless_told_otherwise():
     assert eng.sampled_tree == "chain:1"
     trees = []
     verify = Engine._verify
+
     def spy(self, rows, tokens, q, tree, *a):
         trees.append(tree.n)
         return verify(self, rows, tokens, q, tree, *a)
-    Engine._verify = spy
-    try:
-        out = eng.generate([2, 5, 3], 24, sampling=sp, seed=0)
-        assert set(trees) == {2} and out.stats.rounds > 0 and out.stats.lookup_tokens == 0  # root + one draft
-        trees.clear()
-        eng.generate([2, 5, 3], 24)
-        assert max(trees) > 2  # greedy: auto's own trees, with free verification as big as they come
-        trees.clear()
-        keep = Engine(model, head, tree="auto", costs=synthetic_costs(0.0, 0.0), sampled_tree=None)
-        keep.generate([2, 5, 3], 24, sampling=sp, seed=0)
-        assert max(trees) > 2
-    finally:
-        Engine._verify = verify
+
+    monkeypatch.setattr(Engine, "_verify", spy)
+    out = eng.generate([2, 5, 3], 24, sampling=sp, seed=0)
+    assert set(trees) == {2} and out.stats.rounds > 0 and out.stats.lookup_tokens == 0  # root + one draft
+    trees.clear()
+    eng.generate([2, 5, 3], 24)
+    assert max(trees) > 2  # greedy: auto's own trees, with free verification as big as they come
+    trees.clear()
+    keep = Engine(model, head, tree="auto", costs=synthetic_costs(0.0, 0.0), sampled_tree=None)
+    keep.generate([2, 5, 3], 24, sampling=sp, seed=0)
+    assert max(trees) > 2
     assert Engine(model, head, tree="dynamic:3,3,0").sampled_tree is None  # only the `auto` preset
     assert Engine(model, head, tree="paper").sampled_tree is None
     assert Engine(model, head, tree="auto", sampled_tree="chain:2").sampled_tree == "chain:2"

@@ -172,8 +172,8 @@ class Engine:
             # `head.pack(...)` before the engine keeps another choice
             self.head.pack("int4-q8" if bf16dot_available() else
                            quant if quant in ("int4", "bf16", "bf16-dot", "int4-dot") else "packed")
-        named_auto = isinstance(tree, str) and split_lookup(tree)[0] == "auto"
         tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (batch 1)
+        named_auto = isinstance(tree, str) and tree == "auto"
         spec = parse_spec(tree)
         # a static tree is built once; a dynamic one is regrown by the head every round
         self.dynamic: DynamicTree | None = spec if isinstance(spec, DynamicTree) else None
@@ -203,10 +203,7 @@ class Engine:
         # lost to that on this project's CPUs (BENCHMARKS.md), its planning costing more than it won
         if sampled_tree == "default":
             sampled_tree = "chain:1" if named_auto and head is not None and self.device.type == "cpu" else None
-        if sampled_tree is not None:
-            parse_spec(split_lookup(sampled_tree)[0])  # a bad spec fails here, not at the first sampled request
         self.sampled_tree = sampled_tree
-        self._sampled: Engine | None = None
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # row-exact attention on skinny.c's kernel: its plan is made here once per forward, outside
@@ -214,6 +211,10 @@ class Engine:
         self._plan_rows = ((getattr(cfg, "_attn_implementation", None) == attention.NAME
                             or lean.one_call_layers(self.decoder))
                            and attention.kernel_fits(self.dtype, self.device, head_dim))
+        # made here, so that a bad sampled_tree fails now and not at the first sampled request
+        self._sampled = None if sampled_tree is None else Engine(
+            model, self.head, tree=sampled_tree, draft_sampling=draft_sampling, sink_layers=self.sink_layers,
+            sampled_tree=None)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _clock(self) -> float:
@@ -333,10 +334,7 @@ class Engine:
         """The loop. Yields, once per target forward, (row, new tokens, finish reason or None) events.
         `feature_sink[i]` collects row i's features of every token fed to the target, in order."""
         sp = sampling or SamplingParams()
-        if method == "eagle" and not sp.greedy and self.sampled_tree is not None:
-            if self._sampled is None:
-                self._sampled = Engine(self.model, self.head, tree=self.sampled_tree, draft_sampling=self.draft_sampling,
-                                       sink_layers=self.sink_layers, sampled_tree=None)
+        if method == "eagle" and not sp.greedy and self._sampled is not None:
             yield from self._sampled._decode(prompts, max_new_tokens, sp, method, seed, eos_token_ids, stats,
                                              feature_sink)
             return
@@ -590,17 +588,16 @@ class Engine:
                                           k if one else 0, temp, sampled)
                 for j, i in enumerate(nodes):
                     node_feat[i] = f[:, j : j + 1]
-            if top is not None:  # from C: the best target ids, or the law to draw from
-                q_draft = top.probs if sampled else None
-                picks = [row[:k] for row in top.ids] if q_draft is None else None
-            else:
-                logits = head.logits(f).float().flatten(0, 1)  # (B * len(nodes), draft vocab)
-                q_draft = torch.softmax(logits / sp.temperature, -1) if sampled else None
-                picks = head.to_target_ids(torch.topk(logits, k, dim=-1).indices).tolist() if not sampled else None
-            qs = None
-            if q_draft is not None:
+            # from C (`top`): the law to draw from, or the best target ids; else from the head's logits
+            logits = None if top is not None else head.logits(f).float().flatten(0, 1)  # (B * nodes, draft vocab)
+            if sampled:
+                q_draft = top.probs if top is not None else torch.softmax(logits / sp.temperature, -1)
                 picks = head.to_target_ids(sample_without_replacement(q_draft, k, gen)).tolist()
                 qs = head.to_target_probs(q_draft)
+            else:
+                picks = ([row[:k] for row in top.ids] if top is not None
+                         else head.to_target_ids(torch.topk(logits, k, dim=-1).indices).tolist())
+                qs = None
             for b in range(B):
                 for j, i in enumerate(nodes):
                     row = b * len(nodes) + j

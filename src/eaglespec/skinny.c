@@ -780,6 +780,12 @@ int argmax_rows(const float *x, long R, long V, long *out) {
  * indices (zero-probability tokens, chosen deterministically). Returns 0 where a row holds a
  * negative, NaN or infinite entry (the caller asks torch), else 1. */
 #define DRAW_BLOCK 1024
+#ifdef __AVX512F__
+/* 16 floats added to two double accumulators (low and high halves) */
+#define ADD_PD16(a, b, v)                                                                         \
+    a = _mm512_add_pd(a, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));                             \
+    b = _mm512_add_pd(b, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+#endif
 static double block_mass(const float *x, long n) {
     double s = 0.0;
     long i = 0;
@@ -787,8 +793,7 @@ static double block_mass(const float *x, long n) {
     __m512d a = _mm512_setzero_pd(), b = _mm512_setzero_pd();
     for (; i + 16 <= n; i += 16) {
         __m512 v = _mm512_loadu_ps(x + i);
-        a = _mm512_add_pd(a, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-        b = _mm512_add_pd(b, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+        ADD_PD16(a, b, v)
     }
     s = _mm512_reduce_add_pd(_mm512_add_pd(a, b));
 #endif
@@ -798,6 +803,21 @@ static double block_mass(const float *x, long n) {
 
 static inline long draw_block_len(long V, long b) {
     return V - b * DRAW_BLOCK < DRAW_BLOCK ? V - b * DRAW_BLOCK : DRAW_BLOCK;
+}
+
+/* block b of row into buf with the m picks so far zeroed; returns its length */
+static long block_without(const float *row, long V, long b, const long *picks, long m, float *buf) {
+    long lo = b * DRAW_BLOCK, n = draw_block_len(V, b);
+    memcpy(buf, row + lo, sizeof(float) * n);
+    for (long i = 0; i < m; i++)
+        if (picks[i] >= lo && picks[i] < lo + n) buf[picks[i] - lo] = 0.0f;
+    return n;
+}
+
+static int picked(const long *picks, long m, long i) {
+    int taken = 0;
+    for (long j = 0; j < m; j++) taken |= picks[j] == i;
+    return taken;
 }
 
 static int bad_mass(const float *x, long n) { /* any entry negative or NaN (not >= 0), or infinite */
@@ -828,10 +848,7 @@ int draw_rows(const float *p, long R, long V, long k, const double *u, long *pic
                 long b = 0, last = -1;
                 while (b < nb - 1 && acc + mass[b] <= t) acc += mass[b++];
                 for (; b < nb && pick < 0; b++) { /* the block holding t; the next ones if rounding fell short */
-                    long lo = b * DRAW_BLOCK, n = draw_block_len(V, b);
-                    memcpy(buf, row + lo, sizeof(float) * n);
-                    for (long i = 0; i < j; i++)
-                        if (out[i] >= lo && out[i] < lo + n) buf[out[i] - lo] = 0.0f;
+                    long lo = b * DRAW_BLOCK, n = block_without(row, V, b, out, j, buf);
                     for (long i = 0; i < n; i++)
                         if (buf[i] > 0.0f) {
                             last = lo + i;
@@ -844,24 +861,15 @@ int draw_rows(const float *p, long R, long V, long k, const double *u, long *pic
                 }
                 if (pick < 0) pick = last;
                 if (pick < 0) /* the scan started past the row's mass: its last unpicked index with any */
-                    for (long i = V - 1; i >= 0 && pick < 0; i--) {
-                        int taken = 0;
-                        for (long m = 0; m < j; m++) taken |= out[m] == i;
-                        if (row[i] > 0.0f && !taken) pick = i;
-                    }
+                    for (long i = V - 1; i >= 0 && pick < 0; i--)
+                        if (row[i] > 0.0f && !picked(out, j, i)) pick = i;
             }
             if (pick < 0) /* no mass left: the lowest unpicked index */
-                for (long i = 0; i < V && pick < 0; i++) {
-                    int taken = 0;
-                    for (long m = 0; m < j; m++) taken |= out[m] == i;
-                    if (!taken) pick = i;
-                }
+                for (long i = 0; i < V && pick < 0; i++)
+                    if (!picked(out, j, i)) pick = i;
             out[j] = pick;
             if (pick >= 0 && row[pick] > 0.0f) { /* its block's mass, without every pick so far */
-                long b = pick / DRAW_BLOCK, lo = b * DRAW_BLOCK, n = draw_block_len(V, b);
-                memcpy(buf, row + lo, sizeof(float) * n);
-                for (long i = 0; i <= j; i++)
-                    if (out[i] >= lo && out[i] < lo + n) buf[out[i] - lo] = 0.0f;
+                long b = pick / DRAW_BLOCK, n = block_without(row, V, b, out, j + 1, buf);
                 mass[b] = block_mass(buf, n);
             }
         }
@@ -881,8 +889,7 @@ double residual_law(const float *p, const float *q, long n, float *out) {
     for (; i + 16 <= n; i += 16) {
         __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(p + i), _mm512_loadu_ps(q + i)), _mm512_setzero_ps());
         _mm512_storeu_ps(out + i, v);
-        a = _mm512_add_pd(a, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-        b = _mm512_add_pd(b, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+        ADD_PD16(a, b, v)
     }
     s = _mm512_reduce_add_pd(_mm512_add_pd(a, b));
 #endif
