@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# Every number in BENCHMARKS.md, stage by stage (each stage's folder is kept; rerun a stage alone
-# with STAGES="tau"). Run on an idle machine: other CPU load distorts every ratio.
+# Every table in BENCHMARKS.md: runs the stages, then writes this host's section of BENCHMARKS.md
+# (scripts/write_benchmarks.py; other CPU kinds' sections are kept). Each stage's folder is kept;
+# rerun one alone with STAGES="tau". Run on an idle machine: other CPU load distorts every ratio.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
-STAGES=${STAGES:-"profile ablation ablation-int4-dot compile main int4 int4-t1 bf16 bf16-dot int4-dot int4-q8 batch tau"}
+STAGES=${STAGES:-"curve ablation main int4-q8 batch tau"}
 N=${N:-8}            # questions per dataset in the main tables
 SPREAD=${SPREAD:---spread}  # N questions spaced evenly over each set (MT-bench: one per category); SPREAD= for the first N
-TREE=${TREE:-auto+lookup}  # the eagle row of the main table: the best tree of the ablation, plus prompt-lookup grafts
-TREE4=${TREE4:-auto+lookup}  # the same for the int4 target (its own ablation)
+TREE=${TREE:-auto+lookup}  # the eagle row of the main table (the CLI's default on a CPU)
+TREE4=${TREE4:-auto+lookup}  # the same for the quantized targets
 BATCH_TREE=${BATCH_TREE:-chain:1}  # batches need a static tree
+WRITE=${WRITE:-1}    # WRITE=0: run the stages without touching BENCHMARKS.md
 mkdir -p "$OUT"
 DOT=()
-# FP32: the fp32 target's kernels for every fp32 stage. "auto": --packed only where the profile stage
-# measured it faster for one token (vanilla's step; AVX2 EPYC, oneDNN: 56 vs 76 ms; AMX Xeon,
-# eaglespec's AVX-512 kernel: 31 vs 36 ms) and else torch's default (AMX Xeon with oneDNN: 41 vs
-# 53 ms); a slower vanilla than `hf` would make every ratio a lie. Both are explicit flags: the
-# commands' own default (packed where the AVX-512 kernel runs) would make the comparison moot.
+# FP32: the fp32 target's kernels for every fp32 stage. "auto": --packed where the profile stage
+# measured it faster for one token (vanilla's step), else torch's default: a slower vanilla than
+# `hf` would make every ratio a lie. Without a profile stage: --packed (the commands' own default
+# where eaglespec's kernels run).
 FP32=${FP32:-auto}
 fp32_kernels() {
   if [ "$FP32" != auto ]; then echo "$FP32"; return; fi
@@ -24,7 +26,8 @@ import json, sys
 try:
     default, packed = (json.load(open(p))["verify_s"][0] for p in sys.argv[1:])
 except OSError:
-    sys.exit("run the profile stage first (or set FP32=--packed / FP32=--no-packed)")
+    print("--packed")
+    sys.exit(0)
 print("--packed" if packed < default else "--no-packed")
 PY
 }
@@ -36,7 +39,7 @@ for stage in $STAGES; do
       eaglespec profile --quantize int8 --out "$OUT/profile-int8" | tee "$OUT/profile-int8.md"
       eaglespec profile --quantize int4 --out "$OUT/profile-int4" | tee "$OUT/profile-int4.md"
       eaglespec profile --quantize bf16 --out "$OUT/profile-bf16" | tee "$OUT/profile-bf16.md"
-      if [ -n "$(python -c 'from eaglespec.kernels import bf16dot_available as a; print(a() or "")')" ]; then
+      if [ -n "$(python -c 'from eaglespec.cpu.kernels import bf16dot_available as a; print(a() or "")')" ]; then
         for kind in bf16-dot int4-dot; do
           eaglespec profile --quantize $kind --out "$OUT/profile-$kind" | tee "$OUT/profile-$kind.md"
           DOT+=($kind="$OUT/profile-$kind/cost_curve.json")
@@ -102,3 +105,6 @@ for stage in $STAGES; do
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
+if [ "$WRITE" = 1 ]; then
+  python scripts/write_benchmarks.py "$OUT"
+fi

@@ -13,10 +13,10 @@ import torch
 
 from eaglespec.bench.datasets import load_questions
 from eaglespec.cli import default_head
-from eaglespec.engine import Engine
-from eaglespec.head import EagleDraftHead
+from eaglespec import Engine
+from eaglespec.spec.head import EagleDraftHead
 from eaglespec.models import load_target
-from eaglespec.verify import SamplingParams
+from eaglespec.spec.verify import SamplingParams
 
 
 def main() -> None:

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from eaglespec.costmodel import measure
-from eaglespec.engine import Engine
-from eaglespec.head import EagleDraftHead
+from eaglespec.policy.costmodel import measure
+from eaglespec import Engine
+from eaglespec.spec.head import EagleDraftHead
 from eaglespec.models import compile_decoder
 
 # (family, hidden, intermediate, layers, heads, kv heads, vocab, tied, dtype) of real checkpoints

@@ -9,9 +9,9 @@ import sys
 
 import torch
 
-from eaglespec.cache import KVCache
-from eaglespec.costmodel import time_forward
-from eaglespec.engine import Engine
+from eaglespec.spec.cache import KVCache
+from eaglespec.policy.costmodel import time_forward
+from eaglespec import Engine
 from eaglespec.models import load_target
 
 kinds = sys.argv[1].split(",")  # "fp32" or a --quantize kind
@@ -23,7 +23,7 @@ for k in kinds:
     model, _ = load_target(quantize=None if k == "fp32" else k)
     eng, cache = Engine(model, None), KVCache(ctx + max(sizes))
     with torch.inference_mode():
-        eng._target(torch.randint(0, model.config.vocab_size, (ctx,), generator=g).tolist(), 0, cache)
+        eng.target_forward(torch.randint(0, model.config.vocab_size, (ctx,), generator=g).tolist(), 0, cache)
     engines[k] = (eng, cache)
 times = {(k, n): [] for k in kinds for n in sizes}
 with torch.inference_mode():

@@ -1,7 +1,7 @@
 """Rebuild a trained head's reduced draft vocabulary from the target's own answers.
 
-`train --init` keeps the starting head's draft vocabulary, and the shipped head's was chosen in
-session 1 from ChatGPT-written ShareGPT answers: it left out 4.4 % of SmolLM2's own answer tokens
+`train --init` keeps the starting head's draft vocabulary; one chosen from ChatGPT-written ShareGPT
+answers left out 4.4 % of SmolLM2's own answer tokens
 (" billion", " smartphone", ...), which the head could then never propose. The head's weights do
 not depend on the vocabulary (it predicts features; the draft LM head is rows of the target's), so
 a new one needs no training. The new vocabulary: the assistant tokens of the given feature shards

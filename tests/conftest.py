@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from eaglespec.head import EagleDraftHead
+from eaglespec.spec.head import EagleDraftHead
 from eaglespec.train.extract import ExtractConfig, extract
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to contention

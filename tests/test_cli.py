@@ -155,7 +155,7 @@ def test_sampled_requests_say_which_tree_drafted_them(tiny_dirs, gen):
 
 
 def test_profile_compare_overlays_saved_curves(run, tmp_path):
-    from eaglespec.costmodel import CostProfile
+    from eaglespec.policy.costmodel import CostProfile
 
     for name, scale in (("a", 1.0), ("b", 0.4)):
         CostProfile([1, 2, 4], [0.08 * scale, 0.09 * scale, 0.1 * scale], 0.01 * scale, 64, {"model": "m"}).save(
@@ -174,8 +174,8 @@ def test_profile_compare_overlays_saved_curves(run, tmp_path):
 @pytest.mark.parametrize("quant", ["int8", "int4", "bf16-dot", "int4-dot"])
 def test_generate_quantized_target(tiny_dirs, gen, quant):
     """--quantize: eagle and vanilla run the same quantized target, so their tokens agree."""
-    from eaglespec.kernels import bf16dot_available
-    from eaglespec.quant import int4_available
+    from eaglespec.cpu.kernels import bf16dot_available
+    from eaglespec.cpu.quant import int4_available
 
     if quant == "int4" and not int4_available():
         pytest.skip("torch has no CPU int4 kernel")
@@ -193,8 +193,8 @@ def test_generate_quantized_target(tiny_dirs, gen, quant):
 def test_quantize_fastest_is_int4_q8_or_int4_dot_where_the_cpu_runs_it(tiny_dirs, gen, monkeypatch):
     """--quantize fastest: int4-q8 with AVX512-VNNI, else int4-dot with AVX512-BF16, else int4, resolved
     before anything loads."""
-    from eaglespec import kernels
-    from eaglespec.quant import fastest_quantizer, int4_available
+    from eaglespec.cpu import kernels
+    from eaglespec.cpu.quant import fastest_quantizer, int4_available
 
     want = "int4-q8" if kernels.q4q8_available() else "int4-dot" if kernels.bf16dot_available() else "int4"
     assert fastest_quantizer() == want
@@ -207,10 +207,11 @@ def test_quantize_fastest_is_int4_q8_or_int4_dot_where_the_cpu_runs_it(tiny_dirs
         outs.append(json.loads(out)["token_ids"])
     assert outs[0] == outs[1]
     # the Python API takes "fastest" too, and the model says which kind it got
+    from eaglespec.cpu.quant import target_kernels
     from eaglespec.models import load_target
 
     model, _ = load_target(str(tiny_dirs / "model"), quantize="fastest")
-    assert model.config.eaglespec_quantization == want
+    assert target_kernels(model).quantization == want
     monkeypatch.setattr(kernels, "q4q8_available", lambda: False)
     assert fastest_quantizer() == ("int4-dot" if kernels.bf16dot_available() else "int4")
     monkeypatch.setattr(kernels, "bf16dot_available", lambda: False)
@@ -220,7 +221,7 @@ def test_quantize_fastest_is_int4_q8_or_int4_dot_where_the_cpu_runs_it(tiny_dirs
 def test_cli_names_every_quantizer():
     """cli keeps its own copy of the --quantize choices (so that --help imports no torch)."""
     from eaglespec import cli
-    from eaglespec.quant import QUANTIZERS
+    from eaglespec.cpu.quant import QUANTIZERS
 
     assert cli.QUANTIZERS == QUANTIZERS
 
@@ -271,7 +272,7 @@ def test_chat_keeps_the_conversation(tiny_dirs, run, monkeypatch):
     are vanilla decoding's."""
     import io
 
-    from eaglespec.engine import Engine
+    from eaglespec import Engine
     from eaglespec.models import load_target
 
     monkeypatch.setattr("sys.stdin", io.StringIO("w30 w31\n\nw7\n/reset\nw7\n/exit\nw9\n"))

@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglespec.engine import Engine, sibling_q
-from eaglespec.head import EagleDraftHead
+from eaglespec import Engine
+from eaglespec.spec.engine import sibling_q
+from eaglespec.spec.head import EagleDraftHead
 from eaglespec.train.trainer import TrainConfig, train
-from eaglespec.verify import SamplingParams, renormalise
+from eaglespec.spec.verify import SamplingParams, renormalise
 
 from conftest import good_head, tiny_target
 

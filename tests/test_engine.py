@@ -7,13 +7,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eaglespec.cache import KVCache
-from eaglespec.costmodel import CostProfile, DraftGate, LiveCosts
-from eaglespec.engine import Engine, Prediction
+from eaglespec.spec.cache import KVCache
+from eaglespec.policy.costmodel import CostProfile, DraftGate, LiveCosts
+from eaglespec import Engine
+from eaglespec.spec.policy import Prediction, ratio
 from eaglespec.errors import EaglespecError
-from eaglespec.head import EagleDraftHead
-from eaglespec.tree import build_tree
-from eaglespec.verify import SamplingParams, target_probs
+from eaglespec.spec.head import EagleDraftHead
+from eaglespec.spec.tree import build_tree
+from eaglespec.spec.verify import SamplingParams, target_probs
 
 from conftest import good_head, tiny_target
 
@@ -142,13 +143,13 @@ def test_a_new_prompt_opens_the_gate_and_keeps_what_a_plain_step_costs(tiny_pair
     model, head = tiny_pair
     eng = Engine(model, head, tree="auto", costs=CostProfile([1, 2, 64], [1e-6, 1.0, 2.0], 0.1, 0, {}))
     eng.generate(PROMPTS[1], 40, method="eagle")
-    gate = eng._gate
+    gate = eng.policy.gate
     assert gate.skip > 0 and gate.shut and gate.plain_steps > 0  # shut where drafting loses
     plain_rate, pause = gate.plain_rate(), gate.pause
     assert pause > gate.base  # probes lost too
     stream = eng.stream(PROMPTS[0], 40, method="eagle")
     next(stream)  # the prompt is in
-    assert eng._gate is gate and gate.draft() and not gate.shut and gate.rounds == 0
+    assert eng.policy.gate is gate and gate.draft() and not gate.shut and gate.rounds == 0
     assert gate.plain_rate() == plain_rate and gate.pause == pause  # should it lose again, probes stay rare
 
 
@@ -237,17 +238,17 @@ def test_auto_tree_measures_and_caches_costs(tiny_pair, tmp_path, monkeypatch):
     out = eng.generate(PROMPTS[0], 10)
     assert out.token_ids == hf_greedy(model, PROMPTS[0], 10)
     files = list((tmp_path / "costs").glob("*.json"))
-    assert len(files) == 1 and eng.costs.draft_level_s > 0 and len(eng.costs.verify_s) == len(eng.costs.sizes)
+    assert len(files) == 1 and eng.policy.costs.draft_level_s > 0 and len(eng.policy.costs.verify_s) == len(eng.policy.costs.sizes)
     again = Engine(model, head, tree="auto")
     again.generate(PROMPTS[0], 2)
-    assert again.costs == eng.costs  # read back, not measured again
+    assert again.policy.costs == eng.policy.costs  # read back, not measured again
 
 
 def test_cost_measurement_runs_without_autograd_whoever_calls(tiny_pair):
     """`eaglespec profile` calls `measure` outside the engine's inference mode: with autograd on, the
     head (trainable weights) timed ~4x its real draft cost, and `auto` trees built on that curve
     shrank."""
-    from eaglespec.costmodel import measure
+    from eaglespec.policy.costmodel import measure
 
     model, head = tiny_pair
     eng = Engine(model, head, tree="auto")
@@ -301,11 +302,11 @@ def test_auto_tree_refits_a_wrong_cached_curve_and_stays_lossless(tiny_pair, tmp
     eng = Engine(model, head, tree="auto")
     out = eng.generate(PROMPTS[1], 60)
     assert out.token_ids == hf_greedy(model, PROMPTS[1], 60)
-    assert out.stats.rounds >= 16 and eng.costs == busy == CostProfile.load(path)
-    assert eng._live.verify(2) < 10 * true.verify(2) < busy.verify(2) / 5
+    assert out.stats.rounds >= 16 and eng.policy.costs == busy == CostProfile.load(path)
+    assert eng.policy.live.verify(2) < 10 * true.verify(2) < busy.verify(2) / 5
     given = Engine(model, head, tree="auto", costs=busy)
     given.generate(PROMPTS[1], 20)
-    assert not given.refit and given._live is busy
+    assert not given.policy.refit and given.policy.live is busy
 
 
 def reduced_head(model, head, d2t: torch.Tensor, context: bool) -> EagleDraftHead:
@@ -406,14 +407,14 @@ def test_context_vocabulary_adds_each_outside_token_once_per_text(tiny_pair):
     small = reduced_head(model, head, torch.tensor([0, 2, 4, 6]), context=True)
     small.add_context(torch.tensor([2, 5, 5, 7]))
     small.add_context(torch.tensor([7, 4, 9]))
-    assert small._draft_ids().tolist() == [0, 2, 4, 6, 5, 7, 9]
+    assert small.draft_ids().tolist() == [0, 2, 4, 6, 5, 7, 9]
     assert small.logits(torch.randn(1, model.config.hidden_size)).shape[-1] == 7
     small.reset_context()
     small.add_context(torch.tensor([9]))
-    assert small._draft_ids().tolist() == [0, 2, 4, 6, 9]
+    assert small.draft_ids().tolist() == [0, 2, 4, 6, 9]
     small.set_draft_vocab(torch.tensor([1, 9]))
     small.add_context(torch.tensor([9, 2]))
-    assert small._draft_ids().tolist() == [1, 9, 2]
+    assert small.draft_ids().tolist() == [1, 9, 2]
 
 
 def test_sampling_law_with_context_vocabulary():
@@ -456,9 +457,9 @@ def test_prompt_lookup_sees_the_tokens_of_plain_steps():
     history it searches, in order (they were missing, so a probe matched stale text)."""
     model = tiny_target("llama", seed=3)
     eng = Engine(model, good_head(model), tree="auto+lookup", costs=synthetic_costs(0.02, 0.05))
-    eng._gate = EveryThirdRoundDrafts(eng.costs)
+    eng.policy.gate = EveryThirdRoundDrafts(eng.policy.costs)
     seen, graft = [], eng._graft
-    eng._graft = lambda tree, tokens, qs, history, *a: seen.append(list(history)) or graft(tree, tokens, qs, history, *a)
+    eng._graft = lambda draft, history, *a: seen.append(list(history)) or graft(draft, history, *a)
     ids = PROMPTS[0]
     out = eng.generate(ids, 30, method="eagle")
     assert out.stats.plain_steps > 0 and len(seen) > 2
@@ -473,7 +474,7 @@ def test_draft_gate_is_told_the_head_levels_each_round_ran(tiny_pair):
     model, head = tiny_pair
     # every level drafted, few nodes verified (each costs 0.6 steps): the tree is shallower than the draft
     eng = Engine(model, head, tree="auto", costs=synthetic_costs(0.6, 0.001))
-    eng._worth_a_level = lambda *args: True
+    eng.policy.another_level = lambda *args: True
     calls, seen = [0], []
     real_logits = head.logits
 
@@ -483,7 +484,7 @@ def test_draft_gate_is_told_the_head_levels_each_round_ran(tiny_pair):
 
     head.logits = counting
     try:
-        gate = eng._gate_for(1)
+        gate = eng.policy.gate_for(1)
         real_observe = gate.observe
 
         def observe(tokens, levels, nodes, seconds, backlog=False):
@@ -508,18 +509,18 @@ def test_calibration_compares_what_the_head_predicted_with_what_was_accepted(tin
     eng = Engine(model, head, tree="auto", costs=synthetic_costs(0.001, 0.05))
     chain = build_tree("chain:2")
     for _ in range(400):  # the head expects 2 tokens, the target takes 1
-        eng._calibrate(chain, [1], Prediction(2.0))
-    assert abs(eng._calib_ratio() - 0.5) < 0.02
+        eng.policy.observe_accepted(chain, [1], Prediction(2.0))
+    assert abs(eng.policy.calib_ratio() - 0.5) < 0.02
     siblings = build_tree([[0], [1]])  # node 2 is the root's second-ranked child
     for _ in range(400):
-        eng._calibrate(siblings, [2], Prediction(1.0, [0.8, 0.2]))
-    assert eng._rank_ratio(0) == 0.05 and eng._rank_ratio(1) == 2.0
+        eng.policy.observe_accepted(siblings, [2], Prediction(1.0, [0.8, 0.2]))
+    assert eng.policy.rank_ratio(0) == 0.05 and eng.policy.rank_ratio(1) == 2.0
     fresh = Engine(model, head, tree="auto", costs=synthetic_costs(0.001, 0.05))
     fresh.generate(PROMPTS[0], 20)
-    assert fresh._calib != [1.0, 1.0]
+    assert fresh.policy.calibration != [1.0, 1.0]
     static = Engine(model, head, tree="chain:3")
     static.generate(PROMPTS[0], 20)
-    assert static._calib == [1.0, 1.0]
+    assert static.policy.calibration == [1.0, 1.0]
 
 
 def test_lookup_budget_follows_costs_and_acceptance(tiny_pair):
@@ -528,19 +529,19 @@ def test_lookup_budget_follows_costs_and_acceptance(tiny_pair):
     model, head = tiny_pair
     cheap = Engine(model, head, tree="auto+lookup", costs=synthetic_costs(0.001, 0.05))
     dear = Engine(model, head, tree="auto+lookup", costs=synthetic_costs(5.0, 0.05))
-    now = cheap._clock()
-    assert cheap._lookup_budget(8, 4, 1.0, now) >= 6 and dear._lookup_budget(8, 4, 1.0, now) == 0
-    tree = build_tree("chain:2")
-    cheap._chain = [tree.paths[1], tree.paths[2]]
+    now = cheap.clock()
+    for eng in (cheap, dear):
+        eng.policy.start()  # a text begins: the policy takes its cost curve
+    assert cheap.policy.lookup_budget(8, 4, 1.0, now) >= 6 and dear.policy.lookup_budget(8, 4, 1.0, now) == 0
+    policy, tree = cheap.policy, build_tree("chain:2")
     for _ in range(200):  # both guesses proposed, both rejected
-        cheap._calibrate_lookup(tree, [])
-    rates = cheap._lookup_rates(6)
+        policy.observe_lookup(tree, [], [tree.paths[1], tree.paths[2]])
+    rates = policy.lookup_rates(6)
     assert rates[0] < 0.05 and rates[1] < 0.05
     assert rates[5] <= rates[0]  # a later guess needs the earlier ones
-    cheap._chain = [tree.paths[1]]
     for _ in range(400):  # only the first proposed (and rejected): the second forgets its misses
-        cheap._calibrate_lookup(tree, [])
-    assert cheap._lookup_rates(1)[0] < 0.05 and cheap._ratio(cheap._lookup_hits[1], 0.01) > 0.3
+        policy.observe_lookup(tree, [], [tree.paths[1]])
+    assert policy.lookup_rates(1)[0] < 0.05 and ratio(policy.lookup_hits[1], 0.01) > 0.3
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -611,18 +612,18 @@ def test_cache_compaction_equals_fresh_prefill(tiny_pair):
     eng = Engine(model, head)
     ids = PROMPTS[2]
     cache = KVCache(128)
-    eng._target(ids, 0, cache)
+    eng.target_forward(ids, 0, cache)
     # verify a paper tree with arbitrary tokens, then keep one root-to-node path
     tree = eng.tree
     node_tokens = torch.randint(2, 128, (tree.n,), generator=torch.Generator().manual_seed(0)).tolist()
-    from eaglespec.tree import float_mask, prefix_tree_mask
+    from eaglespec.spec.tree import float_mask, prefix_tree_mask
     allowed = prefix_tree_mask(tree.ancestor_mask, len(ids)).to(model.device)
-    eng._target(node_tokens, len(ids), cache, float_mask(allowed, torch.float32),
+    eng.target_forward(node_tokens, len(ids), cache, float_mask(allowed, torch.float32),
                 tree.position_offsets.to(model.device) + len(ids))
     keep = [0, 1, 5, 13, 21]
     cache.compact(len(ids), torch.tensor(keep, device=model.device))
     fresh = KVCache(128)
-    eng._target(ids + [node_tokens[i] for i in keep], 0, fresh)
+    eng.target_forward(ids + [node_tokens[i] for i in keep], 0, fresh)
     assert cache.get_seq_length() == fresh.get_seq_length() == len(ids) + len(keep)
     for a, b in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
@@ -633,12 +634,11 @@ def test_cache_compaction_equals_fresh_prefill(tiny_pair):
 def test_compact_rows_moves_each_rows_entries(one_call, monkeypatch):
     """Ragged batch rows: row b's entries src + keep[b][i] land at dst[b] + i in every layer, the
     rest of the buffer untouched; the kernels' one call (every layer at once) and the per-layer path alike."""
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
+    from eaglespec.cpu.backend import compact_rows
 
     if one_call and not kernels.available():
         pytest.skip("eaglespec's kernels are not built here")
-    if not one_call:
-        monkeypatch.setattr(KVCache, "_one_call_buffers", lambda *a: None)
     g = torch.Generator().manual_seed(1)
     cache = KVCache(40)
     for i in range(3):
@@ -646,7 +646,7 @@ def test_compact_rows_moves_each_rows_entries(one_call, monkeypatch):
         cache.update(k, v, i)
     before = [(layer.k_buf.clone(), layer.v_buf.clone()) for layer in cache.layers]
     dst, src, keeps = [17, 20], 20, [[0, 2, 3, 7], [0, 1]]
-    cache.compact_rows(dst, src, keeps)
+    (compact_rows(cache, dst, src, keeps) if one_call else cache.compact_rows(dst, src, keeps))
     assert cache.get_seq_length() == 22
     for layer, (k0, v0) in zip(cache.layers, before):
         for new, old in ((layer.k_buf, k0), (layer.v_buf, v0)):
@@ -708,9 +708,9 @@ def test_auto_samples_with_one_drafted_token_on_a_cpu_unless_told_otherwise(monk
     trees = []
     verify = Engine._verify
 
-    def spy(self, rows, tokens, q, tree, *a):
-        trees.append(tree.n)
-        return verify(self, rows, tokens, q, tree, *a)
+    def spy(self, rows, draft, *a):
+        trees.append(draft.tree.n)
+        return verify(self, rows, draft, *a)
 
     monkeypatch.setattr(Engine, "_verify", spy)
     out = eng.generate([2, 5, 3], 24, sampling=sp, seed=0)
@@ -747,9 +747,9 @@ def test_the_engine_tells_the_gate_which_rounds_feed_the_heads_backlog():
 
     V, model, head, sp = law_setup()
     eng = Engine(model, head, tree="dynamic:3,3,0", costs=synthetic_costs(0.0, 0.0))
-    eng._gate = Recording(eng.costs)
+    eng.policy.gate = Recording(eng.policy.costs)
     out = eng.generate([2, 5, 3], 12, sampling=SamplingParams(), seed=0)
-    seen = eng._gate.seen
+    seen = eng.policy.gate.seen
     assert out.stats.plain_steps == 2 and len(seen) >= 4
     assert [b for b, _ in seen] == [True, False, True] + [False] * (len(seen) - 3)
     assert all(s > 0 for _, s in seen)
@@ -762,7 +762,7 @@ def test_sampling_law_with_plain_steps_between_drafted_rounds():
     ids = [2, 5, 3]
     law = exact_three_token_law(model, ids, sp).flatten()
     eng = Engine(model, head, tree="dynamic:3,3,0", costs=synthetic_costs(0.0, 0.0))
-    eng._gate = EveryThirdRoundDrafts(eng.costs)
+    eng.policy.gate = EveryThirdRoundDrafts(eng.policy.costs)
     plain = assert_law_of(eng, ids, sp, law, V, 4000, lambda st: st.plain_steps)
     assert 0 < sum(p > 0 for p in plain) < len(plain)  # both kinds of rounds made first tokens
 
@@ -809,16 +809,16 @@ def assert_law(sample, law: torch.Tensor, V: int, n: int) -> None:
 def test_auto_draws_sampled_drafts_at_most_sampled_auto_depth_levels_deep(monkeypatch):
     """With free verification `auto` grows deep trees; sampled drafts stop at SAMPLED_AUTO_DEPTH
     levels (every drawn node is verified), greedy ones do not."""
-    from eaglespec import engine as engine_module
+    from eaglespec.policy import auto
 
     V, model, head, sp = law_setup()
     eng = Engine(model, head, tree="auto", costs=synthetic_costs(0.0, 0.0), sampled_tree=None)
     depths = []
     verify = eng._verify
-    monkeypatch.setattr(eng, "_verify", lambda rows, tokens, q, tree, *a: depths.append(tree.max_depth)
-                        or verify(rows, tokens, q, tree, *a))
+    monkeypatch.setattr(eng, "_verify", lambda rows, draft, *a: depths.append(draft.tree.max_depth)
+                        or verify(rows, draft, *a))
     eng.generate([2, 5, 3], 40, sampling=sp, seed=0)
-    assert max(depths) == engine_module.SAMPLED_AUTO_DEPTH == 3
+    assert max(depths) == auto.SAMPLED_AUTO_DEPTH == 3
     depths.clear()
     eng.generate([2, 5, 3], 40)
     assert max(depths) > 3
@@ -829,8 +829,8 @@ def test_sampling_law_on_the_draft_step(monkeypatch, tree):
     """Sampled drafts drawn from the law `draft_step` computes in C (a packed target and head, a
     32-token vocabulary: the C kernels' smallest block), in a dynamic tree and in a static one: the
     output's law is still the target's."""
-    from eaglespec import kernels
-    from eaglespec.quant import pack_target
+    from eaglespec.cpu import kernels
+    from eaglespec.cpu.quant import pack_target
 
     if not kernels.draft_available():
         pytest.skip("eaglespec's AVX-512 kernels are not built here")
@@ -845,8 +845,8 @@ def test_sampling_law_on_the_draft_step(monkeypatch, tree):
     law = exact_three_token_law(model, ids, sp).flatten()
     eng = Engine(model, head, tree=tree, costs=synthetic_costs(0.0, 0.0))
     laws = []
-    step = eng.head.draft_step
-    monkeypatch.setattr(eng.head, "draft_step", lambda *a, **kw: laws.append(step(*a, **kw)) or laws[-1])
+    step = eng.head.accel.draft_step
+    monkeypatch.setattr(eng.head.accel, "draft_step", lambda *a, **kw: laws.append(step(*a, **kw)) or laws[-1])
     accepted = assert_law_of(eng, ids, sp, law, V, 3000, lambda st: max(st.accept_lengths or [0]))
     assert any(t is not None and t.probs is not None for t in laws)  # the draws came from C's law
     assert max(accepted) > 1

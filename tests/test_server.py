@@ -10,12 +10,12 @@ import urllib.request
 
 import pytest
 
-from eaglespec.engine import Engine
-from eaglespec.head import EagleDraftHead
+from eaglespec import Engine
+from eaglespec.spec.head import EagleDraftHead
 from eaglespec.models import eos_ids, load_target
 from eaglespec.server import serve
 from eaglespec.text import TextStream
-from eaglespec.verify import SamplingParams
+from eaglespec.spec.verify import SamplingParams
 
 
 @pytest.fixture(scope="module")

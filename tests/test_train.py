@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from eaglespec.errors import CheckpointError, EaglespecError
-from eaglespec.head import EagleDraftHead
+from eaglespec.spec.head import EagleDraftHead
 from eaglespec.train.data import render, stream_json_array, to_messages
 from eaglespec.train.extract import ExtractConfig, extract, read_shard
 from eaglespec.train.trainer import (Sequences, TrainConfig, draft_vocabulary, eagle_loss, train,
@@ -226,7 +226,8 @@ def test_init_starts_from_a_trained_head(tiny_features, tmp_path):
     a, b = json.loads((tmp_path / "a" / "train_log.json").read_text()), st["evals"]
     assert [e["step"] for e in b] == [0, 1] and [e["step"] for e in a["evals"]] == [2]
     assert b[0]["unroll_acc"] == pytest.approx(a["evals"][-1]["unroll_acc"])
-    meta = json.loads((tmp_path / "b" / "head" / "config.json").read_text())["metadata"]
+    meta = json.loads((tmp_path / "b" / "head" / "training.json").read_text())
+    assert "metadata" not in json.loads((tmp_path / "b" / "head" / "config.json").read_text())  # configuration only
     assert [h["steps"] for h in meta["history"]] == [2]  # the continued head's run is kept
 
 
@@ -245,7 +246,7 @@ def test_revocab_refreshes_the_init_heads_draft_vocabulary(tiny_features, tmp_pa
     this run's data (its most frequent assistant tokens, then H's own lowest ids; `draft_vocabulary`'s
     test covers the fill); without --revocab H's is kept, and asking for another size is an error."""
     from eaglespec.cli import _config_from, build_parser
-    from eaglespec.head import EagleDraftHead
+    from eaglespec.spec.head import EagleDraftHead
     from eaglespec.models import load_target
     from eaglespec.train.extract import read_shard, shard_files
 
@@ -293,7 +294,7 @@ def test_growing_a_head_keeps_its_predictions_and_trains_the_new_layer(tiny_feat
     """--layers 2 from a one-layer head: the grown head starts as exactly the old one (identity
     layer), its new layer then learns, and the result saves and loads as a two-layer head; a head
     written with the old one-layer key names ("layer.") still loads."""
-    from eaglespec.head import EagleDraftHead
+    from eaglespec.spec.head import EagleDraftHead
     from eaglespec.models import load_target
 
     root = tiny_features
@@ -382,7 +383,7 @@ def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from eaglespec.head import EagleDraftHead
+    from eaglespec.spec.head import EagleDraftHead
     from eaglespec.models import load_target
     from eaglespec.train.extract import aux_path
 
@@ -432,7 +433,7 @@ def prompt_ids(tok, record: dict) -> list[int]:
 def sampled_answer(eng, tok, record: dict, seed: int, max_new_tokens: int = 6) -> str:
     """The engine's T = 1 sample (vanilla, this seed) of a regenerated record's first user turn; EOS
     (id 1) ends it, and special tokens (EOS, w0) are not part of its text."""
-    from eaglespec.verify import SamplingParams
+    from eaglespec.spec.verify import SamplingParams
 
     out = eng.generate_batch([prompt_ids(tok, record)], max_new_tokens, SamplingParams(temperature=1.0),
                              method="vanilla", seed=seed, eos_token_ids=[1])[0]
@@ -475,7 +476,7 @@ def assert_shard_holds_the_records_answer(tok, record: dict, ids: list[int], mas
 def test_regenerate_writes_the_targets_greedy_answers_and_resumes(tiny_features, tmp_path):
     from transformers import AutoTokenizer
 
-    from eaglespec.engine import Engine
+    from eaglespec import Engine
     from eaglespec.models import load_target
     from eaglespec.train.data import load_conversations
     from eaglespec.train.regenerate import RegenerateConfig, regenerate
@@ -580,7 +581,7 @@ def test_regenerate_with_temperature_writes_the_targets_sampled_answers_and_thei
     `seed + id` (one prompt per batch here), not the greedy answer, and its shard holds those ids."""
     from transformers import AutoTokenizer
 
-    from eaglespec.engine import Engine
+    from eaglespec import Engine
     from eaglespec.models import load_target
     from eaglespec.train.extract import features_for
     from eaglespec.train.regenerate import RegenerateConfig, regenerate
@@ -626,7 +627,7 @@ def test_regenerate_in_bf16_gives_the_bf16_targets_answers_and_near_fp32_feature
     alone would leave them: the bf16 path really ran)."""
     from transformers import AutoTokenizer
 
-    from eaglespec.engine import Engine
+    from eaglespec import Engine
     from eaglespec.models import load_target
     from eaglespec.train.extract import features_for
     from eaglespec.train.regenerate import RegenerateConfig, regenerate
@@ -662,7 +663,7 @@ def test_regenerate_answers_the_opening_turns_of_dropped_records(tiny_features, 
     answers exactly those, numbered apart from the split's ids, and nothing the split holds."""
     from transformers import AutoTokenizer
 
-    from eaglespec.engine import Engine
+    from eaglespec import Engine
     from eaglespec.models import load_target
     from eaglespec.train.data import dropped_first_turns, load_conversations
     from eaglespec.train.regenerate import DROPPED_ID0, RegenerateConfig, regenerate
@@ -706,5 +707,5 @@ def test_head_metadata_has_no_machine_paths():
 
     cfg = {"features": f"{Path.home()}/f/a,{Path.cwd()}/b", "out": "/tmp/x", "init": "", "lr": 1e-4}
     assert _portable(cfg) == {"features": "~/f/a,b", "out": "/tmp/x", "init": "", "lr": 1e-4}
-    shipped = Path(__file__).parents[1] / "src/eaglespec/heads/smollm2-135m-instruct/config.json"
+    shipped = Path(__file__).parents[1] / "src/eaglespec/heads/smollm2-135m-instruct/training.json"
     assert "/root/" not in shipped.read_text() and "/work/" not in shipped.read_text()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eaglespec.tree import PAPER_TREE, build_tree, chain, float_mask, parse_tree, prefix_tree_mask
+from eaglespec.spec.tree import PAPER_TREE, build_tree, chain, float_mask, parse_tree, prefix_tree_mask
 
 
 def test_paper_tree_shape():
@@ -78,7 +78,7 @@ def test_masks():
 
 
 # -- dynamic trees (EAGLE-2) ----------------------------------------------------------------------
-from eaglespec.tree import DynamicTree, parse_spec, paths_of, plan_children, select_nodes  # noqa: E402
+from eaglespec.spec.tree import DynamicTree, parse_spec, paths_of, plan_children, select_nodes  # noqa: E402
 
 
 def test_parse_spec_dynamic_and_auto():
@@ -121,7 +121,7 @@ def test_plan_children_takes_the_best_slots_as_prefixes():
 
 
 def test_prompt_lookup_finds_the_latest_longest_match():
-    from eaglespec.tree import prompt_lookup
+    from eaglespec.spec.tree import prompt_lookup
 
     h = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     # last trigram (5, 2, 3) never occurred before; bigram (2, 3) did, latest at index 6 -> 7, 8, ...
@@ -132,7 +132,7 @@ def test_prompt_lookup_finds_the_latest_longest_match():
 
 
 def test_graft_chain_reuses_prefix_nodes_and_appends_the_rest():
-    from eaglespec.tree import graft_chain
+    from eaglespec.spec.tree import graft_chain
 
     t = build_tree([[0], [1], [0, 0]])  # root, a(0), b(1), a->c(0,0)
     tokens = [50, 10, 11, 12]  # by t.paths: (), (0,), (1,), (0, 0)
@@ -147,7 +147,7 @@ def test_graft_chain_reuses_prefix_nodes_and_appends_the_rest():
 
 
 def test_split_lookup():
-    from eaglespec.tree import LOOKUP_TOKENS, split_lookup
+    from eaglespec.spec.tree import LOOKUP_TOKENS, split_lookup
 
     assert split_lookup("auto") == ("auto", 0)
     assert split_lookup("auto+lookup") == ("auto", LOOKUP_TOKENS)

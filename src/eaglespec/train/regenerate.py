@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
-from ..verify import SamplingParams
+from ..spec.verify import SamplingParams
 from .data import SHAREGPT_FROM, dropped_first_turns, load_conversations, split
 from .extract import (DTYPES, aux_path, pack_shard, parse_layers, read_aux, read_shard, save_aux,
                       shard_files, unpack_shard)
@@ -157,7 +157,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     """Answer the first user turn of training-split conversations [`first_conversation`, `max_conversations`)
     (or of the dropped records, `prompts="dropped"`)
     with the target's greedy (or, `temperature` > 0, sampled) decoding (vanilla, batched), appending to `cfg.out`; returns counts and speed."""
-    from ..engine import Engine
+    from ..models import Engine
     from ..models import check_layers, eos_ids, load_target
 
     out = Path(cfg.out)

@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from ..cache import KVCache
+from ..spec.cache import KVCache
 from ..errors import CheckpointError, EaglespecError
-from ..head import EagleDraftHead, read_head_config
+from ..spec.head import EagleDraftHead, read_head_config, read_training_record
 from ..io import atomic_torch_save, atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
-from ..tree import float_mask
+from ..spec.tree import float_mask
 from .extract import parse_layers, read_aux, read_shard, shard_files
 
 
@@ -420,7 +420,7 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         final.metadata = {"train_config": _portable(asdict(cfg)), "steps": step, "tokens_seen": state["tokens_seen"],
                           "train_time_s": state["train_time_s"], "evals": state["evals"]}
         if cfg.init:  # the runs behind the head this run continued, oldest first
-            final.metadata["history"] = training_history(read_head_config(Path(cfg.init)).get("metadata", {}))
+            final.metadata["history"] = training_history(read_training_record(Path(cfg.init)))
         final.save_pretrained(out / "head")
         plot_curves(state, out / "curves.png")
     return state

@@ -1,4 +1,11 @@
-"""The one decode loop: prefill -> (draft tree -> verify in one pass -> accept -> compact) ...
+"""The paper's decode loop: prefill, then rounds of draft -> verify -> accept -> update.
+
+``_decode`` is the loop. Each round the head drafts a tree (`_draft`), the target scores every
+node in one forward and the accepted path is chosen greedily or by multi-round speculative
+sampling (`_verify`), and the accepted rows stay in the KV cache while their features are queued
+for the head (`_update`). The loop asks a `Backend` for its device's fast paths and a
+`DraftPolicy` how much to draft; both have plain defaults here, so the algorithm runs on torch
+alone.
 
 ``method="vanilla"`` runs the same loop with an empty tree: one token per target forward, the
 same cache, the same sampling code. That is the baseline every speedup is measured against.
@@ -9,30 +16,23 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 
-from . import attention, kernels, lean
+from ..errors import EaglespecError
+from .backend import TORCH, Backend, DraftLevel
 from .cache import KVCache
-from .errors import EaglespecError
-from .head import DraftLevel, EagleDraftHead
-from .kernels import bf16dot_available
-from .models import HiddenStateTap
-from .costmodel import CostProfile, DraftGate, LiveCosts, load_or_measure
+from .head import EagleDraftHead
+from .policy import DraftPolicy, Prediction
+from .tap import HiddenStateTap
 from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, lineage, parse_spec, paths_of,
-                   plan_children, prefix_tree_mask, prompt_lookup, select_nodes, split_lookup, visible)
+                   prefix_tree_mask, prompt_lookup, select_nodes, split_lookup, visible)
 from .verify import SamplingParams, greedy_accept, renormalise, sample_accept, sample_token, target_probs
 
 DRAFT_SAMPLING = ("topk", "sample")
-# `auto`'s deepest level for sampled drafts. Every drawn node is verified (none can be pruned after
-# drawing) and a level accepts ~half as often as at T = 0, so deep levels rarely pay. SmolLM2, T = 1,
-# one process, 16 questions (session 42): fp32 depth 1 / 2 / 3 / 6 1.072 / 1.066 / 1.061 / 1.046x
-# vanilla, int4-q8 1.012 / 1.003 / 1.041 / 1.012x; depth 3 against 6 in three more runs: 1.077 /
-# 1.050x, 1.056 / 1.041x (fp32), 1.014 / 0.954x (int4-q8).
-SAMPLED_AUTO_DEPTH = 3
 
 
 @dataclass
@@ -85,18 +85,18 @@ class GenerationOutput:
     aux: torch.Tensor | None = None
 
 
-@dataclass
-class Prediction:
-    """What the head expects a drafted tree to yield: the sum of its nodes' acceptance chances as
-    drafted (cumulative draft probabilities, or a sampled tree's planned values), and for a sampled
-    tree the same per sibling rank. `_calibrate` compares it with what the target accepted."""
+class Draft(NamedTuple):
+    """One round's proposal, per row: the node tokens (the root first) and the law each was drawn
+    from (None = chosen deterministically); the tree shape all rows share; what the head expects of
+    a dynamic tree. With prompt-lookup grafts, `drafted` is the head's own tree inside `tree` and
+    `chain` the grafted guesses' node paths."""
 
-    total: float
-    per_rank: list[float] | None = None
-    levels: int = 1  # head levels run (logits computed), deeper than the tree where a level's nodes lost
-
-
-Draft = tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers, Prediction | None]
+    tokens: list[list[int]]
+    laws: list[list[torch.Tensor | None]]
+    tree: TreeBuffers
+    predicted: Prediction | None = None
+    drafted: TreeBuffers | None = None
+    chain: list[tuple[int, ...]] = []
 
 
 @dataclass
@@ -116,14 +116,69 @@ class _Row:
     history: list[int] = field(default_factory=list)  # prompt + emitted tokens (for prompt lookup)
 
 
-def sample_without_replacement(q: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
+class _Run:
+    """What one `_decode` call shares across its rounds: the caches, the budgets, the clock."""
+
+    def __init__(self, engine: "Engine", prompts: list[list[int]], max_new_tokens: int,
+                 eos_token_ids: list[int] | None, eagle: bool, feature_sink: list[list[torch.Tensor]] | None):
+        self.prompts, self.max_new_tokens, self.eagle, self.feature_sink = prompts, max_new_tokens, eagle, feature_sink
+        self.eos = set(eos_token_ids or [])
+        self.max_context = engine.max_context
+        dyn, tree = engine.dynamic, engine.tree
+        depth = dyn.depth if dyn else tree.max_depth
+        max_nodes = (dyn.total_tokens or dyn.max_nodes) if dyn else tree.n
+        self.lookup = engine.lookup if eagle and len(prompts) == 1 else 0
+        self.depth, max_nodes = max(depth, self.lookup), max_nodes + self.lookup
+        # + depth + 1: a row may overshoot its budget by one accepted path before it leaves the batch,
+        # and the shared write offset (the longest row) keeps that length for the rows still running
+        longest = max(len(ids) for ids in prompts)
+        self.cache = KVCache(min(longest + max_new_tokens, engine.max_context) + self.depth + 1 + max_nodes)
+        self.head_cache = KVCache(self.cache.max_len) if eagle else None
+        self.aux = eagle or (feature_sink is not None and bool(engine.sink_layers))
+        self.clock, self.device = engine.clock, engine.device
+        self.t0 = engine.clock()
+
+    def emit(self, r: "_Row", new: list[int]) -> tuple[int, list[int], str | None]:
+        """The row's new tokens, cut at its budget or its first end-of-sequence token."""
+        if r.emitted + len(new) >= self.max_new_tokens:  # an EOS past the budget does not count
+            new, r.reason = new[: self.max_new_tokens - r.emitted], "length"
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new, r.reason = new[: i + 1], "eos"
+                break
+        r.emitted += len(new)
+        r.stats.new_tokens = r.emitted
+        r.stats.time_s = self.clock() - self.t0
+        return r.index, new, r.reason
+
+    def retire(self, rows: list["_Row"]) -> tuple[list["_Row"], list[tuple[int, list[int], str | None]]]:
+        """The rows still running (finished ones leave the batch and its caches), and the events of
+        rows that ran out of context."""
+        events = []
+        for r in rows:
+            if r.reason is None and r.n_ctx >= self.max_context:  # no position left for the root
+                r.reason = "context"
+                events.append((r.index, [], "context"))
+        live = [i for i, r in enumerate(rows) if r.reason is None]
+        if len(live) < len(rows):
+            if live and len(rows) > 1:
+                idx = torch.tensor(live, device=self.device)
+                self.cache.select_rows(idx)
+                if self.head_cache is not None:
+                    self.head_cache.select_rows(idx)
+            rows = [rows[i] for i in live]
+        return rows, events
+
+
+def sample_without_replacement(q: torch.Tensor, k: int, gen: torch.Generator | None,
+                               backend: Backend = TORCH) -> torch.Tensor:
     """k draws per row of q (R, V) without replacement, in draw order: on the CPU each by inverse
-    CDF from the row without the earlier draws (`kernels.draw`: k uniforms a row), elsewhere by
+    CDF from the row without the earlier draws where the backend draws (k uniforms a row), else by
     Gumbel top-k (a uniform per token). When a row has fewer than k non-zero entries, the extra
     picks are zero-probability tokens chosen deterministically; `sibling_q` then gives them a
     one-hot q, which is their true law."""
     if q.device.type == "cpu":
-        drawn = kernels.draw(q, torch.rand(q.shape[0], k, generator=gen, dtype=torch.float64))
+        drawn = backend.draw(q, torch.rand(q.shape[0], k, generator=gen, dtype=torch.float64))
         if drawn is not None:
             return drawn
     u = torch.rand(q.shape, generator=gen, device=q.device).clamp_(1e-20, 1.0)
@@ -146,12 +201,14 @@ def sibling_q(q: torch.Tensor, earlier: list[int], token: int) -> torch.Tensor |
 class Engine:
     """EAGLE (and vanilla) generation for one target model and an optional draft head. `tree` drafts
     every request; `sampled_tree`, if not None, those at temperature > 0 (through an engine of its own
-    on the same model and head; "default": chain:1 where `tree` is the `auto` preset on a CPU)."""
+    on the same model and head; "default": what the policy chooses, see `DraftPolicy.sampled_tree`).
+    `backend` computes (default: plain torch), `policy` sizes each round (default: the tree as given);
+    `eaglespec.Engine` picks both for the machine."""
 
     def __init__(self, model: PreTrainedModel, head: EagleDraftHead | None = None,
                  tree: str | list[list[int]] | DynamicTree = "paper", draft_sampling: str = "sample",
-                 costs: CostProfile | None = None, sink_layers: list[int] | None = None,
-                 sampled_tree: str | list[list[int]] | None = "default"):
+                 sink_layers: list[int] | None = None, sampled_tree: str | list[list[int]] | None = "default",
+                 backend: Backend | None = None, policy: DraftPolicy | None = None):
         if draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}")
         if getattr(model.config, "final_logit_softcapping", None):
@@ -161,19 +218,10 @@ class Engine:
         self.lm_head = model.get_output_embeddings()
         self.head = head.eval() if head is not None else None
         self.hidden_size = int(model.config.hidden_size)
-        quant = getattr(model.config, "eaglespec_quantization", None)
-        if self.head is not None and (quant or getattr(model.config, "eaglespec_kernels", None) == "packed"):
-            # a CPU-tuned target gets a CPU-tuned head: drafting must stay cheap next to a fast step. A
-            # draft need not be exact, so every target's head runs 4 bits where the CPU has the dot
-            # kernels: int4-q8 where AVX512-VNNI runs it, else int4-dot (the fp32 target's draft LM
-            # head: a quarter of the bytes, +6-8 % tok/s, tau within 0.1; the bf16 ones' streamed 19 MB
-            # per level, BENCHMARKS section 1; its layers too since session 40: a round reads them cold
-            # after the target's forward, 3 MB instead of bf16-dot's 10), else the target's own kind;
-            # `head.pack(...)` before the engine keeps another choice
-            self.head.pack("int4-q8" if bf16dot_available() else
-                           quant if quant in ("int4", "bf16", "bf16-dot", "int4-dot") else "packed")
+        self.backend = backend if backend is not None else TORCH
+        self.backend.prepare(model, self.head)
         tree, self.lookup = split_lookup(tree)  # "+lookup[:L]": graft prompt-lookup guesses (batch 1)
-        named_auto = isinstance(tree, str) and tree == "auto"
+        self.tree_name = tree if isinstance(tree, str) else None
         spec = parse_spec(tree)
         # a static tree is built once; a dynamic one is regrown by the head every round
         self.dynamic: DynamicTree | None = spec if isinstance(spec, DynamicTree) else None
@@ -184,40 +232,24 @@ class Engine:
         if self.head is not None and self.sink_layers and self.sink_layers != self.head.aux_layers:
             raise EaglespecError(f"sink_layers {self.sink_layers} differ from the head's aux layers {self.head.aux_layers}")
         self._tap = HiddenStateTap.of(self.decoder, self.aux_layers)
-        self.costs = costs  # the machine's cost curve, for `auto` (measured on first use if None)
-        # the curve refitted to the forwards this engine times, unless it was given one: taken as it is
-        self.refit = costs is None
-        self._live: LiveCosts | CostProfile | None = costs
-        self._gate: DraftGate | None = None  # `auto`: no draft while drafted rounds lose to plain steps
-        self._calib = [1.0, 1.0]  # decayed sums of (accepted - 1, predicted): head-confidence calibration
-        self._calib_rank: list[list[float]] = []  # the same per sibling rank, for sampled trees
-        self._lookup_hits: list[list[float]] = []  # per graft position: decayed (accepted, proposed)
-        self._chain: list[tuple[int, ...]] = []  # this round's grafted chain, as node paths
         self.draft_sampling = draft_sampling
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
         self._cuda = self.device.type == "cuda"
-        # T > 0: the tree sampled requests draft with (another engine's), None = this one. `auto` on a
-        # CPU drafts one sampled token a round: every sampled tree it grew, and its lookup grafts,
-        # lost to that on this project's CPUs (BENCHMARKS.md), its planning costing more than it won
+        self.policy = policy if policy is not None else DraftPolicy()
+        self.policy.bind(self)
         if sampled_tree == "default":
-            sampled_tree = "chain:1" if named_auto and head is not None and self.device.type == "cpu" else None
+            sampled_tree = self.policy.sampled_tree()
         self.sampled_tree = sampled_tree
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # row-exact attention on skinny.c's kernel: its plan is made here once per forward, outside
-        # any compiled graph (see attention.pack_plan), instead of by the first layer
-        self._plan_rows = ((getattr(cfg, "_attn_implementation", None) == attention.NAME
-                            or lean.one_call_layers(self.decoder))
-                           and attention.kernel_fits(self.dtype, self.device, head_dim))
         # made here, so that a bad sampled_tree fails now and not at the first sampled request
-        self._sampled = None if sampled_tree is None else Engine(
+        self._sampled = None if sampled_tree is None else type(self)(
             model, self.head, tree=sampled_tree, draft_sampling=draft_sampling, sink_layers=self.sink_layers,
-            sampled_tree=None)
+            sampled_tree=None, backend=self.backend, policy=self.policy.fresh())
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _clock(self) -> float:
+    def clock(self) -> float:
+        """Seconds, after the device's queued work is done."""
         if self._cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
@@ -235,11 +267,7 @@ class Engine:
         one sequence, which new rows each row sees after the cache (what `mask` says, as lists)."""
         aux = aux and bool(self.aux_layers)  # vanilla decoding never pays for them
         b, q = x.shape
-        plan = {}
-        if self._plan_rows and q <= attention.MAX_EXACT_ROWS:
-            past = cache.get_seq_length()
-            plan["eaglespec_plan"] = (attention.rows_plan(past, seen) if seen is not None and b == 1
-                                      else attention.pack_plan(mask, b, q, past + q))
+        plan = self.backend.forward_kwargs(mask, b, q, cache.get_seq_length(), seen)
         layers = self.aux_layers if aux else []
         with self._tap.capture(layers):
             out = self.decoder(input_ids=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
@@ -248,8 +276,8 @@ class Engine:
             return out.last_hidden_state
         return torch.cat([out.last_hidden_state] + self._tap.read(out, self.aux_layers), -1)
 
-    def _target(self, ids: list[int], start: int, cache: KVCache, mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def target_forward(self, ids: list[int], start: int, cache: KVCache, mask: torch.Tensor | None = None,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence: features (q, H) of `ids`, placed at `start` (or at explicit positions)."""
         if positions is None:
             positions = torch.arange(start, start + len(ids), device=self.device)
@@ -257,8 +285,8 @@ class Engine:
 
     def _choose(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
         if sp.greedy:
-            return kernels.argmax(logits)
-        return sample_token(target_probs(logits, sp), gen)
+            return self.backend.argmax(logits)
+        return sample_token(target_probs(logits, sp), gen, self.backend)
 
     # -- public API -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -344,26 +372,47 @@ class Engine:
         if eagle and self.dynamic is not None and len(prompts) > 1:
             raise EaglespecError("dynamic trees decode one sequence at a time; use a static tree "
                                  "(paper, chain:K) for batches")
-        eos = set(eos_token_ids or [])
         gen = None
         if not sp.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed if seed is not None else torch.seed())
-        if eagle and self.dynamic is not None and self.dynamic.auto and self.costs is None:
-            self.costs = load_or_measure(self)
-        if eagle and self.costs is not None and getattr(self._live, "profile", self._live) is not self.costs:
-            self._live = LiveCosts(self.costs) if self.refit else self.costs
-        depth = self.dynamic.depth if self.dynamic else self.tree.max_depth
-        max_nodes = (self.dynamic.total_tokens or self.dynamic.max_nodes) if self.dynamic else self.tree.n
-        lookup = self.lookup if eagle and len(prompts) == 1 else 0
-        depth, max_nodes = max(depth, lookup), max_nodes + lookup
-        lens = [len(ids) for ids in prompts]
-        # + depth + 1: a row may overshoot its budget by one accepted path before it leaves the batch,
-        # and the shared write offset (the longest row) keeps that length for the rows still running
-        cache = KVCache(min(max(lens) + max_new_tokens, self.max_context) + depth + 1 + max_nodes)
-        t0 = self._clock()
+        if eagle:
+            self.policy.start()
+        run = _Run(self, prompts, max_new_tokens, eos_token_ids, eagle, feature_sink)
+        rows = self._prefill(run, sp, gen, stats)
+        yield [run.emit(r, [r.root]) for r in rows]
+        while True:
+            rows, events = run.retire(rows)
+            if events:
+                yield events
+            if not rows:
+                break
+            t_draft = self.clock()
+            # near the context limit the deepest tree node would overflow the positions: go plain
+            drafting = eagle and self.policy.draft_round(
+                len(rows), room=all(r.n_ctx + run.depth < self.max_context for r in rows))
+            if drafting:
+                draft = self._draft(rows, run.head_cache, sp, gen, t_draft)
+                if run.lookup:
+                    draft = self._graft(draft, rows[0].history, run.lookup, t_draft)
+            else:
+                draft = Draft([[r.root] for r in rows], [[None] for _ in rows], self.plain)
+            t_verify = self.clock()
+            paths, bonuses, feats = self._verify(rows, draft, run.cache, sp, gen, run.aux)
+            t_done = self.clock()
+            if eagle:
+                self.policy.observe_verify(len(rows), draft.tree.n, t_done - t_verify, drafting)
+            events = [self._update(run, r, draft, b, paths[b], bonuses[b], feats[b], drafting, t_verify - t_draft,
+                                   t_done - t_verify) for b, r in enumerate(rows)]
+            if eagle:  # the whole round, its bookkeeping included: a drafted round's is dearer
+                self.policy.observe_round(len(paths[0]) + 1, draft, self.clock() - t_draft, drafting)
+            yield events
 
-        # Prefill: every prompt (right-padded), features f_1..f_N, then each row's first new token.
+    def _prefill(self, run: "_Run", sp: SamplingParams, gen: torch.Generator | None,
+                 stats: list[GenerationStats]) -> list["_Row"]:
+        """Every prompt (right-padded) through the target: the cache, features f_1..f_N, and each
+        row's first new token (the root of its first tree)."""
+        prompts, lens = run.prompts, [len(ids) for ids in run.prompts]
         B, L = len(prompts), max(lens)
         x = torch.tensor([ids + [0] * (L - len(ids)) for ids in prompts], device=self.device)
         pos = torch.arange(L, device=self.device).expand(B, L)
@@ -372,128 +421,56 @@ class Engine:
             causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(causal[None] & (pos[:, None, :] < torch.tensor(lens, device=self.device)[:, None, None]),
                               self.dtype)
-        aux = eagle or (feature_sink is not None and bool(self.sink_layers))
-        feats = self._forward(x, pos, cache, mask, aux=aux)
+        feats = self._forward(x, pos, run.cache, mask, aux=run.aux)
         last = self.lm_head(torch.stack([feats[b, n - 1, : self.hidden_size] for b, n in enumerate(lens)]))
         rows = [_Row(b, n, self._choose(last[b], sp, gen), stats[b]) for b, n in enumerate(lens)]
         for r in rows:
-            if eagle:  # head inputs (f_j, t_{j+1}) not yet in the head's cache
+            if run.eagle:  # head inputs (f_j, t_{j+1}) not yet in the head's cache
                 r.pending = ([feats[r.index, :r.n_ctx]], prompts[r.index][1:] + [r.root])
-            if lookup:
+            if run.lookup:
                 r.history = prompts[r.index] + [r.root]
-            r.stats.prefill_time_s = self._clock() - t0
-            if feature_sink is not None:
-                feature_sink[r.index].append(feats[r.index, :r.n_ctx])
-        head_cache = KVCache(cache.max_len) if eagle else None
-        if eagle:
+            r.stats.prefill_time_s = self.clock() - run.t0
+            if run.feature_sink is not None:
+                run.feature_sink[r.index].append(feats[r.index, :r.n_ctx])
+        if run.eagle:
             self.head.reset_context()
+        return rows
 
-        def emit(r: _Row, new: list[int]) -> tuple[int, list[int], str | None]:
-            if r.emitted + len(new) >= max_new_tokens:  # an EOS past the budget does not count
-                new, r.reason = new[: max_new_tokens - r.emitted], "length"
-            for i, t in enumerate(new):
-                if t in eos:
-                    new, r.reason = new[: i + 1], "eos"
-                    break
-            r.emitted += len(new)
-            r.stats.new_tokens = r.emitted
-            r.stats.time_s = self._clock() - t0
-            return r.index, new, r.reason
-
-        if eagle and self._gate is not None:
-            self._gate.new_text()
-        yield [emit(r, [r.root]) for r in rows]
-        drafted_last = False  # whether the head drafted last round (else it has a backlog to feed)
-        while True:
-            events = []
-            for r in rows:
-                if r.reason is None and r.n_ctx >= self.max_context:  # no position left for the root
-                    r.reason = "context"
-                    events.append((r.index, [], "context"))
-            live = [i for i, r in enumerate(rows) if r.reason is None]
-            if len(live) < len(rows):
-                if live and len(rows) > 1:
-                    idx = torch.tensor(live, device=self.device)
-                    cache.select_rows(idx)
-                    if head_cache is not None:
-                        head_cache.select_rows(idx)
-                rows = [rows[i] for i in live]
-            if events:
-                yield events
-            if not rows:
-                break
-            # near the context limit the deepest tree node would overflow the positions: go plain
-            use_tree = eagle and all(r.n_ctx + depth < self.max_context for r in rows)
-            gate = self._gate_for(len(rows)) if use_tree else None
-            if gate is not None:
-                use_tree = gate.draft()
-            ta = self._clock()
-            drafted = None  # the head's own tree, when prompt lookup grafted nodes onto it
-            predicted = None  # what the head expects of its tree (dynamic trees)
-            if use_tree:
-                node_tokens, node_q, cur, predicted = self._draft(rows, head_cache, sp, gen, ta)
-                if lookup:
-                    drafted, (node_tokens, node_q, cur) = cur, self._graft(cur, node_tokens[0], node_q[0],
-                                                                           rows[0].history, lookup, predicted, ta)
-            else:
-                node_tokens, node_q, cur = [[r.root] for r in rows], [[None] for _ in rows], self.plain
-            tb = self._clock()
-            prefix = cache.get_seq_length()
-            paths, bonuses, feats = self._verify(rows, node_tokens, node_q, cur, cache, sp, gen, aux)
-            keeps = [[0] + path for path in paths]  # tree rows to keep: the root and the accepted nodes
-            if cur.n > 1 or any(r.n_ctx != prefix for r in rows):  # a plain aligned step is already in place
-                cache.compact_rows([r.n_ctx for r in rows], prefix, keeps)
-            tc = self._clock()
-            if isinstance(self._live, LiveCosts) and len(rows) == 1 and (use_tree or gate is not None):
-                self._live.observe(cur.n, tc - tb)  # the gate's plain steps too: they pin verify(1)
-            events = []
-            for b, (r, path, bonus, keep) in enumerate(zip(rows, paths, bonuses, keeps)):
-                r.n_ctx += len(keep)
-                accepted = [node_tokens[b][i] for i in path] + [bonus]
-                if feature_sink is not None:
-                    feature_sink[r.index].append(feats[b, keep])
-                if eagle:
-                    f = feats[b, keep]
-                    r.pending = ([f], accepted) if use_tree else (r.pending[0] + [f], r.pending[1] + accepted)
-                r.root = bonus
-                if eagle and not use_tree:
-                    r.stats.plain_steps += 1
-                else:
-                    r.stats.rounds += 1
-                    r.stats.accept_lengths.append(len(accepted))
-                r.stats.draft_time_s += tb - ta
-                r.stats.verify_time_s += tc - tb
-                tree_h, path_h = cur, path
-                if drafted is not None:  # the head's statistics see only the head's nodes
-                    tree_h, path_h = drafted, self._head_path(drafted, cur, path)
-                    r.stats.lookup_tokens += len(path) - len(path_h)
-                    self._calibrate_lookup(cur, path)
-                if lookup:  # plain steps' tokens too: lookup matches the text as it is
-                    r.history += accepted
-                if tree_h.n > 1:
-                    self._count_alpha(tree_h, path_h, r.stats)
-                if predicted is not None:
-                    self._calibrate(tree_h, path_h, predicted)
-                events.append(emit(r, accepted))
-            if gate is not None:  # the whole round, its bookkeeping included: a drafted round's is dearer
-                td = self._clock()
-                if use_tree:
-                    # the head levels run, which can outnumber the tree's depth (`auto` trees always predict)
-                    gate.observe(len(paths[0]) + 1, predicted.levels, cur.n, td - ta, backlog=not drafted_last)
-                else:
-                    gate.observe_plain(td - ta)
-            drafted_last = use_tree
-            yield events
+    def _update(self, run: "_Run", r: "_Row", draft: "Draft", b: int, path: list[int], bonus: int,
+                feats: torch.Tensor, drafted: bool, draft_s: float, verify_s: float
+                ) -> tuple[int, list[int], str | None]:
+        """After verification: the row's accepted tokens and their features (the head's next
+        inputs), its statistics, and what the policy learns from the round."""
+        keep = [0] + path  # tree rows kept in the cache: the root and the accepted nodes
+        r.n_ctx += len(keep)
+        accepted = [draft.tokens[b][i] for i in path] + [bonus]
+        f = feats[keep]
+        if run.feature_sink is not None:
+            run.feature_sink[r.index].append(f)
+        if run.eagle:
+            r.pending = ([f], accepted) if drafted else (r.pending[0] + [f], r.pending[1] + accepted)
+        r.root = bonus
+        if run.eagle and not drafted:
+            r.stats.plain_steps += 1
+        else:
+            r.stats.rounds += 1
+            r.stats.accept_lengths.append(len(accepted))
+        r.stats.draft_time_s += draft_s
+        r.stats.verify_time_s += verify_s
+        tree_h, path_h = draft.tree, path
+        if draft.drafted is not None:  # the head's statistics see only the head's nodes
+            tree_h, path_h = draft.drafted, self._head_path(draft.drafted, draft.tree, path)
+            r.stats.lookup_tokens += len(path) - len(path_h)
+            self.policy.observe_lookup(draft.tree, path, draft.chain)
+        if run.lookup:  # plain steps' tokens too: lookup matches the text as it is
+            r.history += accepted
+        if tree_h.n > 1:
+            self._count_alpha(tree_h, path_h, r.stats)
+        if draft.predicted is not None:
+            self.policy.observe_accepted(tree_h, path_h, draft.predicted)
+        return run.emit(r, accepted)
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _gate_for(self, batch: int) -> DraftGate | None:
-        """The `auto` tree's gate (one sequence), made anew with each cost curve."""
-        if batch != 1 or self.dynamic is None or not self.dynamic.auto or self.costs is None:
-            return None
-        if self._gate is None or self._gate.profile is not self._live:
-            self._gate = DraftGate(self._live)
-        return self._gate
-
     def _draft(self, rows: list["_Row"], head_cache: KVCache, sp: SamplingParams, gen: torch.Generator | None,
                t_round: float) -> Draft:
         """Feed each row's newly committed (feature, next token) pairs to the head, then grow this
@@ -516,13 +493,13 @@ class Engine:
             causal = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(prefix_tree_mask(causal, start, hl), self.dtype)
         k, temp, law = self._level_top(sp)  # one sequence: the head, and the root's best tokens, in one C call
-        step = None if B > 1 or ragged else self.head.draft_step(feats, rows[0].pending[1], pos[0].tolist(),
-                                                                 head_cache, None, k, temp, c - 1, law)
+        step = None if B > 1 or ragged else self.backend.draft_step(self.head, feats, rows[0].pending[1],
+                                                                    pos[0].tolist(), head_cache, None, k, temp, c - 1, law)
         out = self.head(feats, toks, pos, mask, head_cache) if step is None else step.features
         root_level = step if step is not None and k else None
         root_f = torch.stack([out[b, n - 1 : n] for b, n in enumerate(counts)])  # (B, 1, H)
         if ragged or B > 1:
-            head_cache.compact_rows(hl.tolist(), start, [list(range(n)) for n in counts])
+            self.backend.compact_rows(head_cache, hl.tolist(), start, [list(range(n)) for n in counts])
         for r, n in zip(rows, counts):
             r.head_len += n
         lens = [r.head_len for r in rows]
@@ -549,10 +526,10 @@ class Engine:
         one sequence also as lists, `seen`, which spares the kernels' plan a read of the mask). For
         one sequence on the CPU, with k > 0, also what `_level_top` asks of each node, where the
         head runs the level as one C call (`draft_step`); else None."""
-        if seen is not None and len(lens) == 1 and not self._cuda:
-            plan = attention.rows_plan(lens[0], seen)
-            step = self.head.draft_step(parent_f, tokens[0], [lens[0] + depth - 1] * len(tokens[0]), head_cache,
-                                        plan, k, temp, 0, law)
+        plan = self.backend.rows_plan(lens[0], seen) if seen is not None and len(lens) == 1 else None
+        if plan is not None:
+            step = self.backend.draft_step(self.head, parent_f, tokens[0], [lens[0] + depth - 1] * len(tokens[0]),
+                                           head_cache, plan, k, temp, 0, law)
             if step is not None:
                 return step.features, step if k else None
         toks = torch.tensor(tokens, device=self.device)
@@ -560,7 +537,6 @@ class Engine:
         pos = (hl[:, None] + depth - 1).expand(toks.shape)
         ragged = hl if len(set(lens)) > 1 else None
         mask = float_mask(prefix_tree_mask(allowed.to(self.device), max(lens), ragged), self.dtype)
-        plan = attention.rows_plan(lens[0], seen) if seen is not None and len(lens) == 1 and not self._cuda else None
         return self.head(parent_f, toks, pos, mask, head_cache, plan=plan), None
 
     def _grow_static(self, root_f: torch.Tensor, roots: list[int], lens: list[int], head_cache: KVCache,
@@ -572,7 +548,7 @@ class Engine:
         head, tree = self.head, self.tree
         B = len(roots)
         _, temp, sampled = self._level_top(sp)
-        one = B == 1 and not self._cuda  # the levels' C path, which reads tree.draft_seen
+        one = B == 1  # one sequence: its levels may run in one backend call, which reads tree.draft_seen
         node_feat: dict[int, torch.Tensor] = {0: root_f}  # (B, 1, H) per expanded node
         node_tokens = [[root] + [0] * (tree.n - 1) for root in roots]
         node_q: list[list[torch.Tensor | None]] = [[None] * tree.n for _ in roots]
@@ -592,7 +568,7 @@ class Engine:
             logits = None if top is not None else head.logits(f).float().flatten(0, 1)  # (B * nodes, draft vocab)
             if sampled:
                 q_draft = top.probs if top is not None else torch.softmax(logits / sp.temperature, -1)
-                picks = head.to_target_ids(sample_without_replacement(q_draft, k, gen)).tolist()
+                picks = head.to_target_ids(sample_without_replacement(q_draft, k, gen, self.backend)).tolist()
                 qs = head.to_target_probs(q_draft)
             else:
                 picks = ([row[:k] for row in top.ids] if top is not None
@@ -606,7 +582,7 @@ class Engine:
                         node_tokens[b][c] = picks[row][r]
                         if qs is not None:
                             node_q[b][c] = sibling_q(qs[row], picks[row][:r], picks[row][r])
-        return node_tokens, node_q, tree, None
+        return Draft(node_tokens, node_q, tree)
 
     def _expand(self, frontier: list[int], toks: list[int], parents: list[int], slots: list[int],
                 feat: dict[int, torch.Tensor], lens: list[int], depth: int, head_cache: KVCache, k: int = 0,
@@ -647,7 +623,7 @@ class Engine:
             if d > 0:
                 level = range(level_start, len(toks))
                 frontier = sorted(level, key=lambda i: (-scores[i], i))[:k]
-                if dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
+                if not self.policy.another_level(scores, parents, frontier, t_round):
                     break
                 f, top = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache, k, temp)
             if top is not None:
@@ -665,15 +641,10 @@ class Engine:
                     parents.append(pi)
                     ranks.append(c)
                     scores.append(base + vals[r][c])
-        if dyn.auto:
-            gains = sorted((math.exp(x) * self._calib_ratio() for x in scores), reverse=True)
-            budget, _ = self._live.best_size(gains, self._clock() - t_round)
-        else:
-            budget = dyn.total_tokens - 1
-        chosen = select_nodes(scores, parents, budget)
+        chosen = select_nodes(scores, parents, self.policy.tree_budget(scores, t_round))
         tree, order = self._tree_of(chosen, parents, ranks)
         predicted = Prediction(sum(math.exp(scores[i]) for i in chosen), levels=levels)
-        return [[root] + [toks[i] for i in order]], [[None] * tree.n], tree, predicted
+        return Draft([[root] + [toks[i] for i in order]], [[None] * tree.n], tree, predicted)
 
     def _grow_sampled(self, root_f: torch.Tensor, root: int, lens: list[int], head_cache: KVCache,
                       sp: SamplingParams, gen: torch.Generator | None, t_round: float,
@@ -681,11 +652,11 @@ class Engine:
         """A dynamic tree of sampled drafts (T > 0). Lossless only if every drawn node is verified
         with the law it was drawn from, so nothing is pruned after drawing: each level first decides,
         from what is already drawn and the expanded nodes' distributions (never from the draws it is
-        about to make), how many children each frontier node draws; those are then drawn without
-        replacement, in order, and all of them are verified. The j-th child's value is its parent's
-        times the head's j-th largest probability at the parent: the shape follows the head's
-        distributions, and the calibration compares acceptance with the same planned values. `auto`
-        draws at most `SAMPLED_AUTO_DEPTH` levels."""
+        about to make), how many children each frontier node draws (`DraftPolicy.plan_level`); those
+        are then drawn without replacement, in order, and all of them are verified. The j-th child's
+        value is its parent's times the head's j-th largest probability at the parent: the shape
+        follows the head's distributions, and the calibration compares acceptance with the same
+        planned values."""
         head, dyn = self.head, self.dynamic
         k, temp, _ = self._level_top(sp)
         toks: list[int] = []
@@ -696,11 +667,11 @@ class Engine:
         feat: dict[int, torch.Tensor] = {-1: root_f}
         slots: list[int] = []
         frontier, f, level_start, levels, level = [-1], root_f, 0, 0, root_level
-        c = [self._rank_ratio(j) for j in range(k)]  # sampled siblings accept less the later they come
-        for d in range(min(dyn.depth, SAMPLED_AUTO_DEPTH) if dyn.auto else dyn.depth):
+        c = [self.policy.rank_ratio(j) for j in range(k)]  # sampled siblings accept less the later they come
+        for d in range(self.policy.sampled_depth()):
             if d > 0:
                 frontier = sorted(range(level_start, len(toks)), key=lambda i: (-scores[i], i))[:k]
-                if not frontier or dyn.auto and not self._worth_a_level(scores, parents, frontier, t_round):
+                if not frontier or not self.policy.another_level(scores, parents, frontier, t_round):
                     break
                 f, level = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache, k, temp, True)
             if level is not None:  # the law from C, and its k largest values
@@ -712,16 +683,10 @@ class Engine:
             slot_values = [[math.exp(0.0 if pi < 0 else scores[pi]) * p * c[j] for j, p in enumerate(planned[r])]
                            for r, pi in enumerate(frontier)]
             drawn = [math.exp(x) * c[j] for x, j in zip(scores, ranks)]
-            if dyn.auto:
-                gains = sorted(drawn + [v for row in slot_values for v in row], reverse=True)
-                keep, _ = self._live.best_size(gains, self._clock() - t_round)
-                counts = plan_children(drawn, slot_values, keep, len(gains))
-            else:
-                budget = dyn.total_tokens - 1
-                counts = plan_children(drawn, slot_values, budget, budget - len(toks))
+            counts = self.policy.plan_level(drawn, slot_values, t_round)
             if not any(counts):
                 break
-            picks = sample_without_replacement(q, max(counts), gen)
+            picks = sample_without_replacement(q, max(counts), gen, self.backend)
             target_ids = head.to_target_ids(picks).tolist()
             q_full = head.to_target_probs(q)
             level_start = len(toks)
@@ -737,7 +702,7 @@ class Engine:
         tree, order = self._tree_of(list(range(len(toks))), parents, ranks)
         predicted = Prediction(sum(math.exp(x) for x in scores),
                                [sum(math.exp(x) for x, j in zip(scores, ranks) if j == r) for r in range(k)], levels)
-        return [[root] + [toks[i] for i in order]], [[None] + [laws[i] for i in order]], tree, predicted
+        return Draft([[root] + [toks[i] for i in order]], [[None] + [laws[i] for i in order]], tree, predicted)
 
     def _tree_of(self, chosen: list[int], parents: list[int], ranks: list[int]) -> tuple[TreeBuffers, list[int]]:
         """The tree of the chosen candidates, and the candidate behind each of its non-root nodes
@@ -749,98 +714,21 @@ class Engine:
         by_path = {tuple(p): i for p, i in zip(paths, chosen)}
         return tree, [by_path[p] for p in tree.paths[1:]]
 
-    @staticmethod
-    def _ratio(sums: list[float], floor: float) -> float:
-        accepted, predicted = sums
-        return min(2.0, max(floor, accepted / predicted))
-
-    def _calib_ratio(self) -> float:
-        return self._ratio(self._calib, 0.2)
-
-    def _rank_ratio(self, rank: int) -> float:
-        return self._ratio(self._calib_rank[rank], 0.05) if rank < len(self._calib_rank) else 1.0
-
-    def _calibrate(self, tree: TreeBuffers, path: list[int], predicted: Prediction) -> None:
-        """Track how the head's cumulative confidence relates to what the target really accepts
-        (overall, and per sibling rank after a sampled round)."""
-        decay = 0.98
-        self._calib = [decay * self._calib[0] + len(path), decay * self._calib[1] + predicted.total]
-        if predicted.per_rank is not None:
-            while len(self._calib_rank) < len(predicted.per_rank):
-                self._calib_rank.append([1.0, 1.0])
-            for r, pred in enumerate(predicted.per_rank):
-                hits = sum(tree.rank[n] == r for n in path)
-                a, p = self._calib_rank[r]
-                self._calib_rank[r] = [decay * a + hits, decay * p + pred]
-
-    def _worth_a_level(self, scores: list[float], parents: list[int], frontier: list[int], t_round: float) -> bool:
-        """Would one more draft level raise this round's expected tokens per second? Each frontier
-        node is assumed to get a best child as likely as the node was given its own parent."""
-        c = self._calib_ratio()
-        gains = sorted((math.exp(x) * c for x in scores), reverse=True)
-        spent = self._clock() - t_round
-        _, now = self._live.best_size(gains, spent)
-        guess = [math.exp(2 * scores[i] - (scores[parents[i]] if parents[i] >= 0 else 0.0)) * c for i in frontier]
-        _, then = self._live.best_size(sorted(gains + guess, reverse=True), spent + self._live.draft_level_s)
-        return then > now
-
-    def _graft(self, tree: TreeBuffers, tokens: list[int], qs: list[torch.Tensor | None], history: list[int], n: int,
-               predicted: Prediction | None, t_round: float
-               ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], TreeBuffers]:
-        """The drafted tree plus a chain of up to n prompt-lookup guesses under its root. A guess is a
-        deterministic proposal (law None, one-hot): greedy acceptance is argmax as ever, and speculative
-        sampling accepts it with the residual's probability of that token, after the head's siblings,
-        so the output law is the target's whatever was guessed. With `auto`, the chain is cut where one
-        more guess no longer raises tokens per second."""
+    def _graft(self, draft: Draft, history: list[int], n: int, t_round: float) -> Draft:
+        """The drafted tree plus a chain of up to n prompt-lookup guesses under its root (as many as
+        the policy keeps). A guess is a deterministic proposal (law None, one-hot): greedy acceptance
+        is argmax as ever, and speculative sampling accepts it with the residual's probability of
+        that token, after the head's siblings, so the output law is the target's whatever was guessed."""
+        tree, tokens, qs = draft.tree, draft.tokens[0], draft.laws[0]
         guess = prompt_lookup(history, n)
-        if guess and predicted is not None and self.dynamic.auto:
-            # at least one guess: the first position's rate keeps being measured
-            guess = guess[: max(1, self._lookup_budget(len(guess), tree.n, predicted.total, t_round))]
-        paths, toks, self._chain = graft_chain(tree.paths, tokens, guess)
+        if guess and draft.predicted is not None:
+            guess = self.policy.lookup_guesses(guess, tree.n, draft.predicted, t_round)
+        paths, toks, chain = graft_chain(tree.paths, tokens, guess)
         if len(paths) > tree.n:
             new = build_tree([list(p) for p in paths[1:]])
             tok_of, q_of = dict(zip(paths, toks)), dict(zip(tree.paths, qs))
             tree, tokens, qs = new, [tok_of[p] for p in new.paths], [q_of.get(p) for p in new.paths]
-        return [tokens], [qs], tree
-
-    @staticmethod
-    def _lookup_prior(k: int) -> float:
-        return 0.6 ** (k + 1)
-
-    def _lookup_rates(self, n: int) -> list[float]:
-        """How often each of a graft's first n guesses was accepted lately; a guess's rate never
-        exceeds the one before it, which must be accepted first."""
-        rates, low, h = [], 1.0, self._lookup_hits
-        for k in range(n):
-            low = min(low, self._lookup_prior(k) if k >= len(h) else self._ratio(h[k], 0.01))
-            rates.append(low)
-        return rates
-
-    def _lookup_budget(self, n: int, nodes: int, predicted: float, t_round: float) -> int:
-        """How many of n guesses to verify next to the head's `nodes`-node tree, of which it expects
-        `predicted` accepted: each guess adds its acceptance rate to the expected tokens and one
-        token to the verification."""
-        spent = self._clock() - t_round
-        expected = 1.0 + predicted * self._calib_ratio()
-        best_l, best = 0, expected / (spent + self._live.verify(nodes))
-        for l, r in enumerate(self._lookup_rates(n), start=1):
-            expected += r
-            rate = expected / (spent + self._live.verify(nodes + l))
-            if rate > best:
-                best_l, best = l, rate
-        return best_l
-
-    def _calibrate_lookup(self, tree: TreeBuffers, path: list[int]) -> None:
-        """Proposed positions learn from this round; the others drift back to their prior, so a
-        position the budget stopped proposing (after a run of misses) is tried again later."""
-        decay, on_path = 0.98, {tree.paths[i] for i in path}
-        while len(self._lookup_hits) < max(len(self._chain), self.lookup):
-            self._lookup_hits.append([self._lookup_prior(len(self._lookup_hits)), 1.0])
-        for k, (a, q) in enumerate(self._lookup_hits):
-            if k < len(self._chain):
-                self._lookup_hits[k] = [decay * a + (self._chain[k] in on_path), decay * q + 1.0]
-            else:
-                self._lookup_hits[k] = [decay * a + (1 - decay) * self._lookup_prior(k), decay * q + (1 - decay)]
+        return Draft([tokens], [qs], tree, draft.predicted, draft.tree, chain)
 
     @staticmethod
     def _head_path(drafted: TreeBuffers, grafted: TreeBuffers, path: list[int]) -> list[int]:
@@ -854,11 +742,12 @@ class Engine:
         return out
 
     # -- verification -----------------------------------------------------------------------------
-    def _verify(self, rows: list["_Row"], node_tokens: list[list[int]], node_q: list[list[torch.Tensor | None]],
-                tree: TreeBuffers, cache: KVCache, sp: SamplingParams, gen: torch.Generator | None,
-                aux: bool = False) -> tuple[list[list[int]], list[int], torch.Tensor]:
-        """One target forward over every row's root + tree nodes; per row the accepted nodes and
-        the bonus token, and the features (B, n, H)."""
+    def _verify(self, rows: list["_Row"], draft: Draft, cache: KVCache, sp: SamplingParams,
+                gen: torch.Generator | None, aux: bool = False) -> tuple[list[list[int]], list[int], torch.Tensor]:
+        """One target forward over every row's root + tree nodes; per row the accepted nodes (greedy,
+        or multi-round speculative sampling) and the bonus token, the features (B, n, H); the cache
+        keeps the root's and the accepted nodes' rows after each row's prefix."""
+        tree, node_tokens = draft.tree, draft.tokens
         prefix = cache.get_seq_length()
         n_ctx = torch.tensor([r.n_ctx for r in rows], device=self.device)
         positions = tree.position_offsets.to(self.device)[None] + n_ctx[:, None]
@@ -871,14 +760,17 @@ class Engine:
                               None if ragged else tree.ancestors)
         logits = self.lm_head(feats[..., : self.hidden_size])
         paths, bonuses = [], []
-        argmax = kernels.argmax(logits) if sp.greedy else None
+        argmax = self.backend.argmax(logits) if sp.greedy else None
         for b in range(len(rows)):
             if sp.greedy:
                 path, bonus = greedy_accept(argmax[b], node_tokens[b], tree.children)
             else:
-                path, bonus = sample_accept(target_probs(logits[b], sp), node_tokens[b], tree.children, node_q[b], gen)
+                path, bonus = sample_accept(target_probs(logits[b], sp), node_tokens[b], tree.children,
+                                            draft.laws[b], gen, self.backend)
             paths.append(path)
             bonuses.append(bonus)
+        if tree.n > 1 or ragged:  # a plain aligned step is already in place
+            self.backend.compact_rows(cache, [r.n_ctx for r in rows], prefix, [[0] + path for path in paths])
         return paths, bonuses, feats
 
     @staticmethod

@@ -1,20 +1,19 @@
-"""What one EAGLE round costs on this machine, and the tree size that maximises tokens per second.
+"""What one EAGLE round costs on this machine.
 
 The paper's trees assume a GPU, where verifying 26 tokens costs about as much as one. On a CPU
 the target's forward time grows with the number of tokens verified, so the best tree depends on
-the machine. We measure the target's forward time for 1..64 tokens and the time of one draft
-level once per (model, dtype, device, threads, torch version), cache it as JSON, and let
-``--tree auto`` pick each round's size: EAGLE-2 observed that the head's cumulative confidence
-in a node approximates the chance it is accepted, so the expected tokens of a tree are
-``1 + sum(node confidences)``.
+the machine. The target's forward time for 1..64 tokens and the time of one draft level are
+measured once per (model, kernels, machine, threads, torch version) and cached as JSON
+(`CostProfile`); `LiveCosts` refits the curve to the forwards an engine times, and `DraftGate`
+compares drafted rounds with plain steps. `auto.AutoPolicy` uses them to size each round.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,11 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import attention, kernels, lean
-from .io import atomic_write_json
+from ..io import atomic_write_json
+from ..platform import cache_root, cpu_name
+from ..spec.cache import KVCache
+from ..spec.tree import float_mask
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..spec.engine import Engine
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
@@ -76,58 +77,27 @@ class CostProfile:
         return cls(**json.loads(Path(path).read_text()))
 
 
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo names it (the platform's guess elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_has(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists this CPU feature flag (e.g. ``amx_int8``); False where it is absent."""
-    try:
-        return flag in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-
-
 def machine_info(engine: "Engine") -> dict:
+    """What sets a round's costs: the model, the machine, and what the backend made of both."""
     cfg = engine.model.config
     cpu = cpu_name()
-    dev = str(engine.device)
     if engine.device.type == "cuda":
         cpu = torch.cuda.get_device_name(engine.device)
+    head = engine.head
     info = {"model": getattr(cfg, "_name_or_path", "") or cfg.model_type, "hidden": cfg.hidden_size,
-            "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size, "dtype": str(engine.dtype), "device": dev,
-            "quantization": getattr(cfg, "eaglespec_quantization", None),
-            "kernels": getattr(cfg, "eaglespec_kernels", None),
+            "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size, "dtype": str(engine.dtype),
+            "device": str(engine.device), "quantization": None, "kernels": None,
             "processor": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "head_vocab": engine.head.draft_vocab_size if engine.head is not None else 0}
-    if (getattr(cfg, "eaglespec_packed_kernel", None) or "").startswith("skinny"):  # only then: oneDNN profiles keep their key
-        info["packed_kernel"] = cfg.eaglespec_packed_kernel
-    if getattr(cfg, "eaglespec_exact_codes", 0):  # fp32 layers streamed as their exact 4- / 8-bit codes
-        info["exact_codes"] = cfg.eaglespec_exact_codes
-    if getattr(cfg, "eaglespec_compiled", False):  # only when set, so eager profiles keep their cache key
+            "head_vocab": head.draft_vocab_size if head is not None else 0}
+    info.update(engine.backend.describe(engine.model, head))
+    if getattr(engine.decoder, "_compiled_call_impl", None) is not None:  # compiled kernels cost otherwise
         info["compiled"] = True
-    if lean.one_call_layers(engine.decoder):  # decoder layers as one C call each: cheaper forwards
-        info["one_call"] = True
-    if engine.head is not None and engine.head.kernels is not None:  # a quantized head drafts faster
-        info["head_kernels"] = engine.head.kernels
-        info["head_layer_kernel"] = type(engine.head.fc).__name__  # (4-bit layers since session 40)
-    if engine.head is not None and engine.head.num_layers > 1:  # a deeper head drafts slower (same rule)
-        info["head_layers"] = engine.head.num_layers
-    if engine.head is not None and engine.head._step_spec() is not None:  # a draft level in one C call: cheaper
-        info["draft_step"] = True
+    if head is not None and head.num_layers > 1:  # a deeper head drafts slower
+        info["head_layers"] = head.num_layers
     return info
 
 
 def profile_path(engine: "Engine") -> Path:
-    from .models import cache_root
-
     key = hashlib.sha256(json.dumps(machine_info(engine), sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "costs" / f"{key}.json"
 
@@ -136,14 +106,12 @@ def profile_path(engine: "Engine") -> Path:
 def time_forward(engine: "Engine", cache: "KVCache", context: int, tokens: list[int]) -> float:
     """Seconds for one target forward of `tokens` after `context` cached ones, as a tree would send
     them (a mask, logits of every row), then the cache back at `context`."""
-    from .tree import float_mask
-
     n = len(tokens)
     allowed = torch.ones(n, context + n, dtype=torch.bool, device=engine.device).tril(context)
-    t0 = engine._clock()
-    feats = engine._target(tokens, context, cache, float_mask(allowed, engine.dtype))
-    kernels.argmax(engine.lm_head(feats))
-    dt = engine._clock() - t0
+    t0 = engine.clock()
+    feats = engine.target_forward(tokens, context, cache, float_mask(allowed, engine.dtype))
+    engine.backend.argmax(engine.lm_head(feats))
+    dt = engine.clock() - t0
     cache.crop(context)
     return dt
 
@@ -153,16 +121,13 @@ def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: i
             top_k: int = 4) -> CostProfile:
     """Time the target on `sizes` tokens after a `context`-token prefix, sizes interleaved per repeat.
     Under inference mode whoever calls: with autograd on, a head with trainable weights drafts ~4x
-    slower (`eaglespec profile` cached 9-13 ms draft levels for 2-3 ms ones, and `auto` trees shrank)."""
-    from .cache import KVCache
-    from .tree import float_mask
-
+    slower (and `auto` would size its trees by that)."""
     context = min(context, engine.max_context - max(sizes) - 1)
     vocab = engine.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
     cache = KVCache(context + max(sizes))
-    engine._target(prompt, 0, cache)
+    engine.target_forward(prompt, 0, cache)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats + 1):  # the first pass warms up
         for n in sizes:
@@ -178,16 +143,18 @@ def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: i
         head(f, torch.tensor([prompt], device=engine.device), pos, cache=hcache)
         dt = []
         for _ in range(repeats + 1):
-            t0 = engine._clock()
-            # a level as the engine drafts it: one C call where the head has it (`draft_step`)
-            plan = attention.rows_plan(context, [[j] for j in range(top_k)]) if engine.device.type == "cpu" else None
-            if head.draft_step(f[:, :top_k], prompt[:top_k], [context] * top_k, hcache, plan, top_k) is None:
+            t0 = engine.clock()
+            # a level as the engine drafts it: in one call where the backend has one (`draft_step`)
+            plan = engine.backend.rows_plan(context, [[j] for j in range(top_k)])
+            step = None if plan is None else engine.backend.draft_step(head, f[:, :top_k], prompt[:top_k],
+                                                                       [context] * top_k, hcache, plan, top_k)
+            if step is None:
                 allowed = torch.ones(top_k, context + top_k, dtype=torch.bool, device=engine.device)
                 out = head(f[:, :top_k], torch.tensor([prompt[:top_k]], device=engine.device),
                            torch.full((1, top_k), context, device=engine.device), float_mask(allowed, engine.dtype),
                            hcache)
                 torch.topk(torch.log_softmax(head.logits(out[0]).float(), -1), top_k, dim=-1).indices.tolist()
-            dt.append(engine._clock() - t0)
+            dt.append(engine.clock() - t0)
             hcache.crop(context)
         draft = statistics.median(dt[1:])
     return CostProfile(list(sizes), verify, draft, context, machine_info(engine))
@@ -195,10 +162,8 @@ def measure(engine: "Engine", sizes: tuple[int, ...] = DEFAULT_SIZES, context: i
 
 class LiveCosts:
     """The cost curve as this engine's own forwards find it. A curve is a snapshot: measured at one
-    context, between forwards of every other size, on a host whose memory bandwidth moves by 1.5x
-    from hour to hour. One put int4-q8's step at 4.6 ms and each extra node at ~0.3 ms while real
-    rounds took 3.0 ms and ~0.75 ms, so `auto` verified trees that lost to plain steps; at fp32 on
-    another day real costs were flat where the curve was steep. So every timed forward of n tokens
+    context, between forwards of every other size, on a host whose memory bandwidth can move by
+    1.5x from hour to hour, so it can be off by 1.5x at the step and 2x per extra node. So every timed forward of n tokens
     refits verify(n) = a + b (n - 1) by least squares over recent forwards (decayed). The curve's
     own line (over sizes up to 16) is the prior: worth `prior` forwards at the level, and a ridge
     on b that holds the slope while rounds keep verifying one size. A line, not the curve's shape: on
@@ -259,11 +224,8 @@ class DraftGate:
     `max_pause`). Winning rounds halve it again, down to `pause`: a lucky probe that
     reopens the gate for a round or two leaves the long pause in place. A new prompt opens the gate
     again (`new_text`): a text where drafting lost says little about the next one (the pause it
-    grew is kept). The margin was 10 % until the draft's levels moved to C (session 42); with drafting
-    that cheap, shutting at 10 % paused rounds that were winning on average: one process, 16-20
-    questions, `auto+lookup` with a 20 % margin against 10 %: fp32 T = 1 1.093 / 1.050x and 1.053 /
-    1.025x, T = 0 1.294 / 1.288x; int4-q8 T = 1 1.024 / 1.006x, T = 0 1.273 / 1.264x (no gate at
-    all: 1.071x, 1.300x, 1.017x, 1.281x: the gate still pays at int4-q8 T = 1 and fp32 T = 1)."""
+    grew is kept). The margin is wide (20 %) because rounds are noisy and drafting is cheap: a
+    narrower one pauses rounds that win on average."""
 
     def __init__(self, profile: CostProfile, decay: float = 0.9, warmup: int = 4, pause: int = 4,
                  max_pause: int = 32, refresh: int = 64, margin: float = 0.8, keep: float = 3.0):
@@ -277,9 +239,8 @@ class DraftGate:
     def new_text(self) -> None:
         """A new prompt: what drafting brought on the last text says little about this one (a poem
         and a program differ by 2x in acceptance), so its rounds are forgotten and the gate opens;
-        what a plain step costs is kept, and so is the pause: where drafting lost on text after text
-        (int4-q8 at T = 1) probes stay rare (0.949x / 0.950x its vanilla against 0.926x / 0.924x
-        with the pause reset, in two one-process A/Bs; T = 0 alike, 1.016x against 1.019x over three)."""
+        what a plain step costs is kept, and so is the pause: where drafting lost on text after text,
+        probes stay rare."""
         self.tokens = self.cost = self.rounds = 0.0
         self.skip, self.shut = 0, False
 
@@ -344,8 +305,6 @@ def load_or_measure(engine: "Engine", path: Path | None = None, verbose: bool = 
         except (ValueError, TypeError, KeyError):
             pass  # a stale or damaged profile is simply measured again
     if verbose:
-        import sys
-
         print(f"eaglespec: measuring this machine's cost curve once (cached in {path}) ...", file=sys.stderr)
     t0 = time.perf_counter()
     prof = measure(engine)

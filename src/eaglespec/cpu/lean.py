@@ -31,8 +31,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's is the same function
 
+from ..spec.cache import KVCache
+from ..spec.rope import rope
 from . import attention, kernels
-from .cache import KVCache
+from .fused import GatedMLP
 
 # Mistral's layers look alike, but pass the config's sliding window to attention: not here (untested)
 LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
@@ -66,30 +68,6 @@ def lean_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: t
     out, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
     hidden_states = hidden_states + attn.o_proj.forward(out.reshape(b, m, -1).contiguous())
     return hidden_states + self.mlp.forward(self.post_attention_layernorm.forward(hidden_states))
-
-
-STATIC_ROPE = ("default", "linear", "llama3")  # rope types whose angles depend on the position only
-
-
-def rope(rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rotary(x, position_ids)` read from a table of every position so far: the module's own output
-    for positions 0..P-1, computed once (each angle is one product, so a row is the same whatever the
-    batch), instead of ~7 torch ops per forward (~0.1 ms on 2 cores). Rope types whose angles move
-    with the sequence length, and autograd, call the module."""
-    if getattr(rotary, "rope_type", "default") not in STATIC_ROPE or torch.is_grad_enabled():
-        return rotary(x, position_ids)
-    cos, sin = rope_table(rotary, x, int(position_ids.max()) + 1)
-    return cos[position_ids], sin[position_ids]
-
-
-def rope_table(rotary: nn.Module, x: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rope`'s cos and sin tables, (P, D) with P >= need, for a static rope type (grown by doubling)."""
-    table = getattr(rotary, "_eaglespec_table", None)
-    if table is None or table[0].shape[1] < need or table[0].dtype != x.dtype or table[0].device != x.device:
-        size = max(need, 2 * table[0].shape[1] if table is not None else 1024)
-        table = rotary(x, torch.arange(size, device=x.device)[None])
-        rotary._eaglespec_table = table
-    return table[0][0], table[1][0]
 
 
 def _one_call(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache,
@@ -162,8 +140,6 @@ def one_call_layers(module: nn.Module) -> bool:
 def fits(layer: nn.Module) -> bool:
     """A layer whose forward `lean_forward` reproduces: a known family, q/k/v fused, the gated MLP
     fused (`quant.GatedMLP`), no sliding window."""
-    from .quant import GatedMLP
-
     attn = getattr(layer, "self_attn", None)
     return (type(layer).__name__ in LAYERS and attn is not None and hasattr(attn, "fused_q_k_v")
             and isinstance(getattr(layer, "mlp", None), GatedMLP) and getattr(attn, "sliding_window", None) is None)

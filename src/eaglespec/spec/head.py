@@ -23,7 +23,7 @@ import json
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -31,26 +31,34 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
-from .errors import CheckpointError, EaglespecError, HeadMismatchError
-from .io import atomic_save_safetensors, atomic_write_json
-from . import attention, kernels
-from .cache import KVCache
-from .lean import STATIC_ROPE, one_call_layers, rope, rope_table, write_slot
+from ..errors import CheckpointError, EaglespecError, HeadMismatchError
+from ..io import atomic_save_safetensors, atomic_write_json
+from .rope import rope
 from .tree import float_mask
 
 
-class DraftLevel(NamedTuple):
-    """`EagleDraftHead.draft_step`'s answer: the rows' new features (1, M, H); with k > 0 each asked
-    row's k best draft log-probabilities and their target ids, best first; with probs its whole
-    draft law over the draft vocabulary (rows, draft ids), as `logits` and a softmax give it."""
-    features: torch.Tensor
-    logprobs: list[list[float]] | None
-    ids: list[list[int]] | None
-    probs: torch.Tensor | None
+class HeadKernels(Protocol):
+    """What a backend attaches to a head it made faster (`EagleDraftHead.accel`, inference only).
+    A draft is only a proposal, so these need not match torch bit for bit: verification keeps the
+    output the target's."""
+
+    kind: str  # what the backend chose, e.g. "int4-q8"
+    lean: bool  # the head's layers run the backend's one-call forward (then the methods below apply)
+    draft_lm: Callable[[torch.Tensor], torch.Tensor] | None  # the draft vocabulary's LM-head rows, packed
+
+    def rms_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) over the last dimension (the aux features' normalisation)."""
+
+    def causal_plan(self, batch: int, rows: int, length: int) -> Any:
+        """The attention plan of a causal block of `rows` new rows ending at `length`, or None."""
+
+    def unbind(self) -> None:
+        """The head was bound to a target again: forget what was derived from the old one."""
 
 
 HEAD_FORMAT = "eaglespec-draft-head"
 HEAD_FORMAT_VERSION = 1
+TRAINING_RECORD = "training.json"  # the training run's settings, steps, held-out evals and earlier runs
 DRAFT_VOCABS = ("context", "head", "full")  # which tokens a loaded head may propose (see from_pretrained)
 # Paper Fig. 8 ablations. "feature+shifted_token" is EAGLE.
 INPUT_MODES = ("feature+shifted_token", "feature+unshifted_token", "feature", "token")
@@ -105,10 +113,7 @@ class EagleDraftHead(nn.Module):
         self.rotary = rotary_cls(config=self.layer_config)
         self._frozen: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
         self._w_draft: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, not saved
-        self._packed_draft: nn.Module | None = None  # the same rows, pre-packed (inference only)
-        self.kernels: str | None = None  # what `pack` chose ("packed", "int4-dot", ...); None = unpacked
-        self._lean = False  # inference through one-call layers (`pack`): plans and norms in C
-        self._step: kernels.HeadSpec | bool | None = None  # `draft_step`'s C view (False: none; None: not yet)
+        self.accel: HeadKernels | None = None  # a backend's faster inference path (see `HeadKernels`)
         # Reduced draft vocabulary (FR-Spec / EAGLE-3 style): draft id -> target id. The head only
         # ever proposes these tokens, which keeps verification lossless and makes drafting cheaper.
         self.register_buffer("d2t", None if draft_vocab is None else draft_vocab.long().clone())
@@ -128,7 +133,8 @@ class EagleDraftHead(nn.Module):
         if lm_head is None:
             raise HeadMismatchError("the target has no output embeddings (LM head)")
         self._frozen = (embed, lm_head)
-        self._step = None
+        if self.accel is not None:
+            self.accel.unbind()
         p = next(target.parameters())
         self.to(device=p.device, dtype=p.dtype)
         self.refresh_draft_weight()
@@ -149,8 +155,10 @@ class EagleDraftHead(nn.Module):
 
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
         """A new draft vocabulary (target ids). The weights do not depend on it: no retraining needed."""
-        if self._packed_draft is not None:
-            raise RuntimeError("set the draft vocabulary before pack()")
+        if self.accel is not None and self.accel.draft_lm is not None:
+            raise RuntimeError("set the draft vocabulary before a backend packs the head")
+        if self.accel is not None:
+            self.accel.unbind()
         self.d2t = d2t.long().to(self.rotary.inv_freq.device)  # (a packed 4-bit fc keeps no weight)
         self.refresh_draft_weight()
         self.reset_context()
@@ -181,9 +189,19 @@ class EagleDraftHead(nn.Module):
         self._ctx_ids = torch.cat([self.d2t if self._ctx_ids is None else self._ctx_ids, new])
         self._w_ctx = rows if self._w_ctx is None else torch.cat([self._w_ctx, rows])
 
-    def _draft_ids(self) -> torch.Tensor:
+    def draft_ids(self) -> torch.Tensor:
         """Draft id -> target id: d2t, then the context's tokens."""
         return self.d2t if self._ctx_ids is None else self._ctx_ids
+
+    def context_rows(self) -> torch.Tensor | None:
+        """The LM-head rows of the context's tokens (after d2t's in the draft vocabulary), or None."""
+        return self._w_ctx
+
+    def draft_weight(self) -> torch.Tensor:
+        """The LM-head rows of the trained draft vocabulary (d2t), as `logits` reads them."""
+        if self._w_draft is None:
+            self.refresh_draft_weight()
+        return self._w_draft
 
     @property
     def draft_vocab_size(self) -> int:
@@ -212,7 +230,7 @@ class EagleDraftHead(nn.Module):
         plan: tuple[torch.Tensor, ...] | None = None,  # attention.rows_plan of the mask, where the caller has it
     ) -> torch.Tensor:
         """Predicted next features f_hat_{j+1}, shape (B, T, H)."""
-        lean = self._lean and not torch.is_grad_enabled()
+        lean = self.accel is not None and self.accel.lean and not torch.is_grad_enabled()
         aux = None
         if features.shape[-1] > self.hidden_size:  # the target's fused inputs ride after f_j
             features, aux = features[..., : self.hidden_size], features[..., self.hidden_size:]
@@ -225,8 +243,8 @@ class EagleDraftHead(nn.Module):
         if aux is not None and self.fuse is not None:
             k = len(self.aux_layers)
             aux = aux.unflatten(-1, (k, self.hidden_size))
-            if lean:  # one C call, not ~5 torch ops (a draft need not match them bit for bit)
-                aux = kernels.rms_norm(aux.contiguous(), self._ones, torch.finfo(aux.dtype).eps)
+            if lean:  # the backend's, in one call (a draft need not match torch bit for bit)
+                aux = self.accel.rms_norm(aux.contiguous())
             else:
                 aux = nn.functional.rms_norm(aux, (self.hidden_size,))
             h = h + self.fuse(aux.flatten(-2))
@@ -237,8 +255,8 @@ class EagleDraftHead(nn.Module):
             past = cache.get_seq_length() if cache is not None else 0
             allowed = torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past)
             attention_mask = float_mask(allowed, h.dtype)
-            if lean and b * t <= attention.MAX_EXACT_ROWS:
-                plan = attention.pack_plan(None, b, t, past + t)  # causal: no mask to read
+            if lean:
+                plan = self.accel.causal_plan(b, t, past + t)  # causal: no mask to read
         extra = {"eaglespec_plan": plan} if plan is not None else {}
         cos_sin = rope(self.rotary, h, position_ids)
         for layer in self.layers:
@@ -301,130 +319,22 @@ class EagleDraftHead(nn.Module):
             return self.lm_head(features)
         if self._w_draft is None or self._w_draft.device != features.device or self._w_draft.dtype != features.dtype:
             self.refresh_draft_weight()
-        if self._packed_draft is not None:
-            out = self._packed_draft(features)
+        if self.accel is not None and self.accel.draft_lm is not None:
+            out = self.accel.draft_lm(features)
         else:
             out = torch.nn.functional.linear(features, self._w_draft.to(features.dtype))
         if self._w_ctx is not None:
             out = torch.cat([out, torch.nn.functional.linear(features, self._w_ctx.to(features.dtype))], -1)
         return out
 
-    # -- a draft level in one C call --------------------------------------------------------------
-    def _step_spec(self) -> kernels.HeadSpec | None:
-        """This head as `kernels.draft_step` runs it, or None: a head packed with one-call layers
-        (fp32, eaglespec's kernels for fc, fuse and the draft LM head), EAGLE's input, a static rope."""
-        if self._step is None:
-            self._step = False
-            lm = self._packed_draft if self.d2t is not None else self.lm_head
-            mods = [self.fc, lm] + ([self.fuse] if self.fuse is not None else [])
-            specs = [m.kernel_spec() if hasattr(m, "kernel_spec") else None for m in mods]
-            emb = self.embed.weight if isinstance(self.embed, nn.Embedding) else None
-            layers = [getattr(layer, "_one_call", None) for layer in self.layers]
-            if (self._lean and kernels.draft_available() and None not in specs and None not in layers
-                    and self.input_mode == "feature+shifted_token" and emb is not None
-                    and emb.dtype == torch.float32 and emb.is_contiguous()
-                    and getattr(self.rotary, "rope_type", "default") in STATIC_ROPE):
-                self._step = kernels.HeadSpec(specs[0], specs[2] if self.fuse is not None else None, specs[1],
-                                              emb.detach(), self._ones, torch.finfo(torch.float32).eps,
-                                              len(self.aux_layers), layers,
-                                              rope_table(self.rotary, emb, 1))
-        return self._step or None
-
-    def draft_step(self, features: torch.Tensor, tokens: list[int], positions: list[int], cache: Any,
-                   plan: tuple[torch.Tensor, ...] | None = None, k: int = 0, temperature: float = 1.0,
-                   first: int = 0, probs: bool = False) -> DraftLevel | None:
-        """`forward` on the rows of one sequence (features (1, M, W); plan: `attention.rows_plan` of
-        their mask, None = causal) and, with k > 0, rows first..'s k best draft log-probabilities at
-        `temperature` and their target ids (and with `probs` their whole draft law), all in one C
-        call; None where that does not apply (call `forward` and `logits`). About 0.5 ms less per
-        drafted round than the torch path."""
-        m = len(tokens)
-        spec = self._step_spec()
-        if spec is None or torch.is_grad_enabled() or features.shape[0] != 1 or m > attention.MAX_EXACT_ROWS \
-                or not 0 <= k <= 64 or k > self.draft_vocab_size or not isinstance(cache, KVCache) \
-                or len(cache.layers) != len(self.layers) or features.dtype != torch.float32:
-            return None
-        slot = write_slot(cache.layers, 1, m)
-        if slot is None:
-            return None
-        cos, sin = rope_table(self.rotary, features, max(positions) + 1)
-        if cos.data_ptr() != spec.rope[0].data_ptr():
-            spec.set_rope(cos, sin)
-        k_bufs, v_bufs = cache.buffer_addresses()
-        ctx = self._w_ctx if self.d2t is not None else None
-        if self.d2t is not None:
-            ids = self._draft_ids()
-        else:  # the identity map, made once
-            if getattr(self, "_all_ids", None) is None:
-                self._all_ids = torch.arange(self.vocab_size)
-            ids = self._all_ids
-        out, vals, top, law = kernels.draft_step(spec, features[0].contiguous(), torch.tensor(tokens),
-                                                 torch.tensor(positions), k_bufs, v_bufs, cache.layers[0].k_buf, slot,
-                                                 plan, first, ctx, ids, 1.0 / temperature, k, probs)
-        for lay in cache.layers:
-            lay._set_length(slot + m)
-        return DraftLevel(out[None], None if vals is None else vals.tolist(), None if top is None else top.tolist(),
-                          law)
-
-    def pack(self, kind: str = "packed") -> "EagleDraftHead":
-        """Faster CPU kernels for the head's linear layers and its draft LM head (inference only):
-        "packed" = fp32 pre-packed (`quant.PackedLinear`), "int4" = `quant.Int4Linear`, "bf16" =
-        `quant.Bf16Linear`, "bf16-dot" = `quant.Bf16DotLinear`, "int4-dot" = `quant.Int4DotLinear`,
-        "int4-q8" = `quant.Int4Q8Linear` (int4-dot where AVX512-VNNI is missing). A draft is any
-        distribution we can sample from, so a quantized head stays lossless."""
-        from .kernels import BLOCK, available as kernels_available, bf16dot_available, fits_q4, q4q8_available
-        from .quant import (Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, Int4Q8Linear, PackedLinear,
-                            eager_fast_paths, int4_available, packed_linear_available, replace_linears)
-
-        if next(self.parameters()).device.type != "cpu" or self.kernels is not None:
-            return self  # packed once: the first choice stays
-        if kind == "int4-q8" and not q4q8_available():
-            kind = "int4-dot"
-        self.kernels = kind
-        fits: Callable[[nn.Linear], bool] = lambda m: True
-        if kind == "int4" and int4_available():
-            make = partial(Int4Linear, keep_weight=False)
-        elif kind in ("bf16", "bf16-dot", "int4-dot", "int4-q8") and kernels_available():
-            # int4-dot / int4-q8: the head's layers and its draft LM head (rows of the target's) in 4
-            # bits, bf16-dot where a layer's shape does not fit them. A draft round reads the head's
-            # weights from memory (the target's forward before it evicts them from the caches): 3 MB,
-            # not bf16's 10, made int4-q8's T = 0 rounds ~7 % faster at the same tau (BENCHMARKS 4e)
-            make = Bf16DotLinear if kind != "bf16" and bf16dot_available() else Bf16Linear
-            if make is Bf16Linear:
-                self.kernels = "bf16"
-            fits = lambda m: m.weight.shape[0] % BLOCK == 0 and (make is Bf16Linear or m.weight.shape[1] % 2 == 0)
-            if kind in ("int4-dot", "int4-q8") and make is Bf16DotLinear:
-                q4 = partial(Int4Q8Linear if kind == "int4-q8" else Int4DotLinear, keep_weight=False)
-                make = lambda m, bf16=make: q4(m) if fits_q4(*m.weight.shape) else bf16(m)
-        elif packed_linear_available():
-            make, self.kernels = PackedLinear, "packed"
-            fits = lambda m: m.weight.dtype == torch.float32
-        else:
-            self.kernels = None
-            return self
-        if kernels_available():  # fused q/k/v and gate/up, fast norms, lean (one-call) layers, as the target's
-            eager_fast_paths(self, lambda m: make(m) if fits(m) else m)
-            self._lean = one_call_layers(self) and next(self.parameters()).dtype == torch.float32
-            self._ones = torch.ones(self.hidden_size)
-        replace_linears(self, make, lambda m: type(m) is nn.Linear and fits(m))
-        if self.d2t is not None:
-            if self._w_draft is None:
-                self.refresh_draft_weight()
-            lin = nn.Linear(self._w_draft.shape[1], self._w_draft.shape[0], bias=False)
-            lin.weight = nn.Parameter(self._w_draft.float(), requires_grad=False)
-            # the 4-bit and bf16 kernels want whole blocks of rows; a draft vocabulary need not have them
-            whole = self.kernels in ("bf16", "bf16-dot", "int4-dot", "int4-q8")
-            self._packed_draft = (PackedLinear if whole and lin.out_features % BLOCK else make)(lin)
-        return self
-
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.d2t is None else self._draft_ids()[draft_ids]
+        return draft_ids if self.d2t is None else self.draft_ids()[draft_ids]
 
     def to_target_probs(self, q: torch.Tensor) -> torch.Tensor:
         """(R, draft vocab) probabilities -> (R, target vocab), zero outside the draft vocabulary."""
         if self.d2t is None:
             return q
-        ids = self._draft_ids()
+        ids = self.draft_ids()
         return torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device).index_copy_(1, ids, q)
 
     # -- save / load ----------------------------------------------------------------------------
@@ -440,7 +350,6 @@ class EagleDraftHead(nn.Module):
             "draft_vocab_size": None if self.d2t is None else int(self.d2t.numel()),
             "aux_layers": self.aux_layers,
             "layer_config": target_cfg,
-            "metadata": self.metadata,
         }
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
@@ -450,6 +359,8 @@ class EagleDraftHead(nn.Module):
                  if not k.startswith("rotary.")}
         atomic_save_safetensors(state, path / "model.safetensors")
         atomic_write_json(self.config_dict(), path / "config.json")
+        if self.metadata:  # how it was trained: beside the configuration, not in it
+            atomic_write_json(self.metadata, path / TRAINING_RECORD)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target: PreTrainedModel | None = None,
@@ -485,7 +396,7 @@ class EagleDraftHead(nn.Module):
             raise CheckpointError(f"{path / 'config.json'}: aux_layers must be a list of layer indices")
         head = cls(layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"), draft_vocab=d2t,
                    num_layers=int(getattr(layer_cfg, "num_hidden_layers", 1) or 1), aux_layers=aux_layers)
-        head.metadata = cfg.get("metadata", {})
+        head.metadata = read_training_record(path)
         own = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
@@ -501,6 +412,17 @@ class EagleDraftHead(nn.Module):
         if target is not None:
             head.bind(target)
         return head
+
+
+def read_training_record(path: Path) -> dict[str, Any]:
+    """How a head was trained (`TRAINING_RECORD` beside its config; heads that kept it in the config's
+    "metadata" are read too); {} when it says nothing."""
+    record = Path(path) / TRAINING_RECORD
+    try:
+        data = json.loads(record.read_text()) if record.is_file() else read_head_config(Path(path)).get("metadata")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{record}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
 
 
 def read_head_config(path: Path) -> dict[str, Any]:

@@ -32,6 +32,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from ..platform import cache_root, cpu_has
+
 SOURCE = Path(__file__).with_name("skinny.c")
 FLAGS = ["-O3", "-mfma", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]  # no fused a * b + c where torch rounds twice
 ISA_FLAGS = {"avx512": "-mavx512f", "avx2": "-mavx2"}  # skinny.c picks its vector width from these
@@ -41,8 +43,6 @@ BLOCK = 32  # output columns per weight block (NR in skinny.c)
 def isa() -> str | None:
     """The instruction set the kernels are built for here: "avx512", "avx2" (with FMA), or None.
     ``EAGLESPEC_SKINNY=avx2`` builds the AVX2 kernels on an AVX-512 CPU (to compare or test them)."""
-    from .costmodel import cpu_has
-
     want = os.environ.get("EAGLESPEC_SKINNY", "1")
     if want == "0":
         return None
@@ -52,8 +52,6 @@ def isa() -> str | None:
 
 
 def _build(out_dir: Path, isa: str) -> Path:
-    from .costmodel import cpu_has
-
     src = SOURCE.read_bytes()
     flags = [*FLAGS, ISA_FLAGS[isa]]
     if isa == "avx512" and cpu_has("avx512_bf16"):
@@ -87,8 +85,6 @@ def _lib() -> ctypes.CDLL | None:
     if target is None:
         return None
     try:
-        from .models import cache_root
-
         lib = ctypes.CDLL(str(_build(cache_root() / "kernels", target)))
     except (OSError, RuntimeError) as e:
         warnings.warn(f"eaglespec: its {target} kernels are unavailable ({e}); using torch's kernels")

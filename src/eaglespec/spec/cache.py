@@ -13,8 +13,6 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import kernels
-
 
 def _rows_in_use(buf: str) -> property:
     """`keys` / `values`: a view of the buffer's first `length` rows (None before the first write).
@@ -128,34 +126,31 @@ class KVCache(Cache):
 
     def compact_rows(self, dst: list[int], src: int, keeps: list[list[int]]) -> None:
         """Row b's entries src + keeps[b][i] -> dst[b] + i in every layer (see PreallocLayer's)."""
-        bufs = self._one_call_buffers()
-        if bufs is not None and all(d <= src and k == sorted(k) and (not k or k[0] >= 0) for d, k in zip(dst, keeps)):
-            kernels.kv_compact(*bufs, dst, src, keeps)
-            length = max(d + len(k) for d, k in zip(dst, keeps))
-            for layer in self.layers:
-                layer._set_length(length)
-            return
         device = self.layers[0].k_buf.device if self.layers and self.layers[0].is_initialized else None
         for layer in self.layers:
             layer.compact_rows(dst, src, [torch.tensor(k, dtype=torch.long, device=device) for k in keeps])
 
+    def set_length(self, n: int) -> None:
+        """Every layer's length, after a kernel wrote or moved their rows itself."""
+        for layer in self.layers:
+            layer._set_length(n)
+
     def buffer_addresses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every layer's key and value buffer addresses (int64, layer order), as the kernels that take
-        all layers in one call read them (`decoder_stack`, `draft_step`); None until every layer is
-        allocated."""
+        """Every layer's key and value buffer addresses (int64, layer order), for kernels that take
+        all layers in one call; None until every layer is allocated."""
         found = self._addresses()
         return None if found is None else found[:2]
 
-    def _one_call_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where `kernels.kv_compact` can move every layer's rows at once (its kernels here, fp32 CPU
-        buffers alike in shape, contiguous): their addresses and one of them."""
-        found = self._addresses() if kernels.available() else None
+    def uniform_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where every layer's key and value buffers are fp32 CPU tensors alike in shape and
+        contiguous: all their addresses (keys, then values) and one of them; else None."""
+        found = self._addresses()
         return None if found is None else found[2]
 
     def _addresses(self) -> tuple | None:
-        """(key addresses, value addresses, `_one_call_buffers`' answer), remembered until the buffers
-        change, which they do all at once (allocation, select_rows): 60 addresses and the compaction's
-        checks every forward cost ~25 us."""
+        """(key addresses, value addresses, `uniform_buffers`' answer), remembered until the buffers
+        change, which they do all at once (allocation, select_rows): rebuilding them and their checks
+        every forward would cost more than the compaction they serve."""
         if not self.layers or not all(layer.is_initialized for layer in self.layers):
             return None
         like, last = self.layers[0].k_buf, self.layers[-1].v_buf
@@ -167,8 +162,8 @@ class KVCache(Cache):
             t.shape == like.shape and t.is_contiguous() and t.dtype == like.dtype for t in bufs)
         k_ptrs = torch.tensor([layer.k_buf.data_ptr() for layer in self.layers])
         v_ptrs = torch.tensor([layer.v_buf.data_ptr() for layer in self.layers])
-        compaction = (torch.cat([k_ptrs, v_ptrs]), like) if ok else None
-        self._buffers = ((len(self.layers), like, last), (k_ptrs, v_ptrs, compaction))
+        uniform = (torch.cat([k_ptrs, v_ptrs]), like) if ok else None
+        self._buffers = ((len(self.layers), like, last), (k_ptrs, v_ptrs, uniform))
         return self._buffers[1]
 
     def select_rows(self, rows: torch.Tensor) -> None:

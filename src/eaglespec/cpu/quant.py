@@ -13,16 +13,42 @@ stay honest.
 from __future__ import annotations
 
 import os
-
+import weakref
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ..errors import EaglespecError
 from . import kernels
-from .errors import EaglespecError
+from .attention import register
+from .fused import GATED_MLPS, FusedLinear, GatedMLP, _Part
 from .lean import lean_decoder, lean_layers
+
+
+@dataclass
+class TargetKernels:
+    """What this module did to a target model (`quantize_weights`, `pack_target`): read by the CPU
+    backend, the cost curve's key and the benchmark."""
+
+    quantization: str | None = None  # one of QUANTIZERS
+    packed: bool = False  # fp32 linear layers pre-packed (`pack_target`)
+    packed_kernel: str | None = None  # the kernel streaming them: `kernels.name()` or "oneDNN"
+    exact_codes: int = 0  # fp32 layers streamed as their exact 4- / 8-bit codes
+
+
+_TARGETS: "weakref.WeakKeyDictionary[nn.Module, TargetKernels]" = weakref.WeakKeyDictionary()
+
+
+def target_kernels(model: nn.Module) -> TargetKernels:
+    """What `quantize_weights` / `pack_target` did to `model` (all defaults: nothing)."""
+    return _TARGETS.get(model) or TargetKernels()
+
+
+def _record(model: nn.Module, **done) -> None:
+    _TARGETS[model] = replace(target_kernels(model), **done)
 
 
 class Int8Linear(nn.Module):
@@ -337,64 +363,6 @@ class Bf16DotLinear(Bf16Linear):
     spec_kind = "bf16dot"
 
 
-class FusedLinear(nn.Module):
-    """Several linear layers that read the same input, as one matmul (q/k/v, MLP gate/up).
-
-    transformers calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one after the other on the same
-    tensor; each is replaced by a `_Part` that asks this module for its slice, and the fused
-    product is computed once per input tensor. One int4 call instead of three saves ~15 % of a
-    decode step here (per-call overhead and better use of the kernel).
-    """
-
-    def __init__(self, layers: list[nn.Linear], make: Callable[[nn.Linear], nn.Module]):
-        super().__init__()
-        lin = nn.Linear(layers[0].in_features, sum(m.out_features for m in layers), bias=layers[0].bias is not None)
-        with torch.no_grad():
-            lin.weight.copy_(torch.cat([m.weight for m in layers]))
-            if lin.bias is not None:
-                lin.bias.copy_(torch.cat([m.bias for m in layers]))
-        self.fused = make(lin)
-        self.splits = [m.out_features for m in layers]
-        self._last: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
-
-    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        if self._last is None or self._last[0] is not x:  # holding x keeps its identity unique
-            self._last = (x, self.fused(x).split(self.splits, dim=-1))
-        out = self._last[1][i]
-        if i == len(self.splits) - 1:
-            self._last = None  # every part served: do not keep activations alive
-        return out
-
-
-class _Part(nn.Module):
-    def __init__(self, fused: FusedLinear, i: int):
-        super().__init__()
-        self._fused = [fused]  # a plain list: not registered twice as a submodule
-        self.i = i
-        self.in_features, self.out_features = fused.fused.in_features, fused.splits[i]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._fused[0].part(x, self.i)
-
-
-GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")  # forward: down(act(gate(x)) * up(x))
-
-
-class GatedMLP(nn.Module):
-    """transformers' gated MLP, down(act(gate(x)) * up(x)), calling gate and up as one fused layer
-    directly: the same kernels and numbers as `_Part`s, without their round trip (one MLP call on
-    one token: 100 -> ~70 µs here, ~1 ms of a SmolLM2 decode step)."""
-
-    def __init__(self, mlp: nn.Module, gate_up: FusedLinear):
-        super().__init__()
-        self.gate_up, self.down_proj, self.act_fn = gate_up.fused, mlp.down_proj, mlp.act_fn
-        self.split = gate_up.splits[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up(x)
-        return self.down_proj(self.act_fn(gu[..., :self.split]) * gu[..., self.split:])
-
-
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # weight * x * rsqrt(mean(x^2) + eps)
 
 
@@ -492,12 +460,8 @@ def quantize_weights(model: nn.Module, kind: str = "int8", lm_head: bool = True,
     if torch_int4 or kind.endswith("-dot") or kind == "int4-q8":
         # bf16 activations (torch's int4 kernel) or inputs rounded to bf16 (the -dot kinds) or int8 turn attention's
         # ~1e-7 differences between a tree and a step into whole bf16 ulps: row-exact attention
-        from .attention import register
-
         model.set_attn_implementation(register())
-    if kind != "int8" and not torch_int4:
-        model.config.eaglespec_packed_kernel = kernels.name()  # also keys the cost curve apart from torch's kernel
-    model.config.eaglespec_quantization = kind
+    _record(model, quantization=kind, packed_kernel=kernels.name() if kind != "int8" and not torch_int4 else None)
     return model
 
 
@@ -583,10 +547,7 @@ def pack_target(model: nn.Module, fuse: bool = True) -> nn.Module:
     if type(head) is nn.Linear and packed_linear_available():
         exact = ExactInt8Linear.of(head) if EXACT_CODES and fuse else None
         model.set_output_embeddings(exact or PackedLinear(head))
-    model.config.eaglespec_kernels = "packed"
     skinny = any(getattr(m, "skinny", False) for m in model.modules())
-    model.config.eaglespec_packed_kernel = kernels.name() if skinny else "oneDNN"
     exact = sum(isinstance(m, (ExactInt4Linear, ExactInt8Linear)) for m in model.modules())
-    if exact:  # also keys the cost curve apart from the fp32 weights'
-        model.config.eaglespec_exact_codes = exact
+    _record(model, packed=True, packed_kernel=kernels.name() if skinny else "oneDNN", exact_codes=exact)
     return model

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from .backend import TORCH, Backend
 
 
 @dataclass(frozen=True)
@@ -77,13 +77,13 @@ def greedy_accept(target_argmax: list[int], tokens: list[int], children: list[li
         node = nxt
 
 
-def sample_token(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One draw from p (V,), non-negative, not necessarily normalised, by inverse CDF in float64.
-    torch.multinomial takes ~1.2 ms over a 49k vocabulary on two CPU cores, a cumsum ~40 us, and
-    `kernels.draw` (fp32 on the CPU) ~11 us; a sampled step pays it once per token. Zero entries are
-    never drawn: u is kept below the total even where a generator's interval is closed."""
+def sample_token(p: torch.Tensor, generator: torch.Generator | None = None, backend: Backend = TORCH) -> int:
+    """One draw from p (V,), non-negative, not necessarily normalised, by inverse CDF in float64
+    (torch.multinomial is ~30x slower over a 49k vocabulary on a CPU; a sampled step pays it once
+    per token), or by the backend's `draw` of the same law. Zero entries are never drawn: u is kept
+    below the total even where a generator's interval is closed."""
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=p.device)
-    drawn = kernels.draw(p[None], u[None])
+    drawn = backend.draw(p[None], u[None])
     if drawn is not None:
         return int(drawn[0, 0])
     c = p.double().cumsum(-1)
@@ -106,6 +106,7 @@ def speculative_step(
     cand_tokens: list[int],
     cand_q: list[torch.Tensor | None],
     generator: torch.Generator | None = None,
+    backend: Backend = TORCH,
 ) -> tuple[int | None, int]:
     """Algorithm 1 of the paper (multi-round speculative sampling) at one tree position.
 
@@ -122,7 +123,7 @@ def speculative_step(
         r = float(torch.rand((), generator=generator, device=p.device))
         if q_tok > 0 and r < p_tok / q_tok:
             return i, tok
-        nxt = False if q is None else kernels.residual_law(p, q)  # False: torch computes it
+        nxt = False if q is None else backend.residual_law(p, q)  # False: torch computes it
         if nxt is False:
             if q is None:
                 residual = p.clone()
@@ -134,7 +135,7 @@ def speculative_step(
             # p <= q everywhere means p == q (both sum to 1): acceptance was certain up to rounding
             continue
         p = nxt
-    return None, sample_token(p, generator)
+    return None, sample_token(p, generator, backend)
 
 
 def sample_accept(
@@ -143,6 +144,7 @@ def sample_accept(
     children: list[list[int]],
     q: list[torch.Tensor | None],
     generator: torch.Generator | None = None,
+    backend: Backend = TORCH,
 ) -> tuple[list[int], int]:
     """Walk the tree from the root, running `speculative_step` at each node's children.
 
@@ -154,8 +156,8 @@ def sample_accept(
     while True:
         kids = children[node]
         if not kids:
-            return path, sample_token(probs[node], generator)
-        idx, tok = speculative_step(probs[node], [tokens[c] for c in kids], [q[c] for c in kids], generator)
+            return path, sample_token(probs[node], generator, backend)
+        idx, tok = speculative_step(probs[node], [tokens[c] for c in kids], [q[c] for c in kids], generator, backend)
         if idx is None:
             return path, tok
         node = kids[idx]

@@ -1,0 +1,181 @@
+"""Write BENCHMARKS.md from a `scripts/benchmarks.sh` run: this host's section is regenerated from the
+run's results, the other CPU kinds' sections are kept as they are.
+
+    python scripts/write_benchmarks.py RUN_DIR [BENCHMARKS.md]
+
+RUN_DIR holds one folder per stage (`main`, `int4-q8`, `ablation`, `batch`, `tau80`: each a
+`results.json` from `eaglespec bench`; `curve`: a `cost_curve.json` from `eaglespec profile`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+DATASETS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca"}
+HEADER = """# Benchmarks
+
+Every table below is written by `scripts/benchmarks.sh` (then `scripts/write_benchmarks.py`) and
+names the host, CPU, date and commit it ran on. Speeds differ a lot between hosts (AMD EPYC Zen 4
+and Zen 5 hosts are both common here), so each CPU kind has its own section; compare numbers only
+within one section.
+
+## Method
+
+- **Target and head**: SmolLM2-135M-Instruct and the shipped head ([MODEL_CARD.md](MODEL_CARD.md)).
+  fp32 is the exact model, its layers streamed as their exact 4- and 8-bit codes (the fp32
+  weights are a dequantized GGUF: the same logits bit for bit); `int4-q8` is a quantized target
+  with its own vanilla. Every method of a table runs the same target in the same process.
+- **Questions**: first turns, 8 per set spread evenly over it (MT-bench: one per category), 128
+  new tokens, chat template, T = 0 and T = 1 (top-p 1).
+- **Methods**: `vanilla` is eaglespec's plain decoding (one token per forward, same kernels and
+  cache, the best plain decoding here: it beats `hf`, transformers' `generate`, on the same
+  model); `pld` is transformers' prompt-lookup decoding (not lossless on this target: it changes
+  greedy tokens); `eagle` is EAGLE with the default tree (`auto+lookup`: a dynamic tree sized each
+  round by the machine's cost curve, with prompt-lookup guesses grafted; at T > 0 one sampled
+  draft a round on a CPU), `eagle@TREE` EAGLE with that tree at every temperature; `llamacpp` is
+  llama.cpp's plain decoding of the same GGUF (with the `[llamacpp]` extra).
+- **Timing**: one warm-up question per method, then methods interleaved question by question;
+  tok/s is new tokens over wall time summed over questions (prefill included); speedup is against
+  `vanilla` on the same questions. tau is tokens per verification round. "ceiling" is the speedup
+  the same rounds would give if drafting and bookkeeping cost nothing (the target's verifying
+  forwards alone): what the head's acceptance and this CPU's cost per verified row allow.
+- **Lossless**: at T = 0 every EAGLE row's tokens are compared with vanilla's, question by question.
+"""
+
+
+def slug(kind: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
+
+
+def load(run: Path, stage: str) -> dict | None:
+    path = run / stage / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def fx(x: float | None, unit: str = "x", nd: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}{unit}"
+
+
+def stamp(result: dict) -> str:
+    m = result["machine"]
+    return (f"{m['date']}, commit `{m.get('commit') or '?'}`, host `{m.get('host', '?')}`, {m['threads']} threads, "
+            f"torch {m['torch']}, transformers {m['transformers']}")
+
+
+def speed_tables(result: dict, title: str) -> list[str]:
+    """One table per temperature: methods by dataset, each cell speedup (tok/s, tau, ceiling)."""
+    cfg, rows = result["config"], result["summary"]
+    out = [f"### {title}", "", f"`eaglespec bench` {stamp(result)}. Tree of `eagle`: `{cfg['tree']}`.", ""]
+    datasets = [d for d in DATASETS if any(r["dataset"] == d for r in rows)]
+    for temp in sorted({r["temperature"] for r in rows}):
+        out += [f"T = {temp:g}:", "", "| method | " + " | ".join(DATASETS[d] for d in datasets) + " |",
+                "|---|" + "---|" * len(datasets)]
+        methods = list(dict.fromkeys(r["method"] for r in rows if r["temperature"] == temp))
+        for method in methods:
+            cells = []
+            for d in datasets:
+                r = next((r for r in rows if r["method"] == method and r["dataset"] == d and r["temperature"] == temp),
+                         None)
+                if r is None:
+                    cells.append("")
+                    continue
+                extra = f", tau {r['tau']:.2f}, ceiling {fx(r.get('free_draft_speedup'))}" if r.get("tau") else ""
+                cells.append(f"{fx(r['speedup_vs_vanilla'])} ({r['tokens_per_s']:.0f} tok/s{extra})")
+            out.append(f"| {method} | " + " | ".join(cells) + " |")
+        out.append("")
+    eq = [r["greedy_equal"] for r in rows if r["temperature"] == 0 and r["greedy_equal"] is not None
+          and r["method"].startswith("eagle")]
+    if eq:
+        out += [f"Greedy EAGLE output equals vanilla's on every question: **{'yes' if all(eq) else 'NO'}**.", ""]
+    return out
+
+
+def tau_table(result: dict) -> list[str]:
+    rows = [r for r in result["summary"] if r["method"] == "eagle"]
+    out = ["### Acceptance on all 80 MT-bench first turns (paper tree, T = 0)", "", f"{stamp(result)}.", "",
+           "| tree | tau | 0-α | 1-α | 2-α | 3-α | 4-α | tokens |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        na = [fx(a, "") for a in (r.get("n_alpha") or [])[:5]] + [""] * 5
+        out.append(f"| {result['config']['tree']} | {r['tau']:.3f} | " + " | ".join(na[:5]) + f" | {r['new_tokens']} |")
+    return out + [""]
+
+
+def batch_table(result: dict) -> list[str]:
+    out = [f"### Batch sizes (tree `{result.get('batch_tree')}`, paper Table 7)", "", f"{stamp(result)}.", "",
+           "| dataset | T | batch | vanilla tok/s | eagle tok/s | speedup | tau | greedy = vanilla |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in result["batch_summary"]:
+        eq = {True: "yes", False: "**NO**", None: "n/a"}[r["greedy_equal"]]
+        out.append(f"| {DATASETS.get(r['dataset'], r['dataset'])} | {r['temperature']:g} | {r['batch_size']} | "
+                   f"{r['vanilla_tokens_per_s']:.1f} | {r['eagle_tokens_per_s']:.1f} | {fx(r['speedup'])} | "
+                   f"{fx(r.get('tau'), '')} | {eq} |")
+    return out + [""]
+
+
+def curve_table(run: Path) -> list[str]:
+    path = run / "curve" / "cost_curve.json"
+    if not path.is_file():
+        return []
+    c = json.loads(path.read_text())
+    show = [n for n in (1, 2, 3, 4, 8, 16, 32, 64) if n in c["sizes"]]
+    ms = {n: 1000 * t for n, t in zip(c["sizes"], c["verify_s"])}
+    return ["### Cost curve (fp32 target: one forward + LM head vs tokens verified)", "",
+            f"{c['machine'].get('processor', '')}, {c['machine'].get('threads')} threads, context {c['context']}.", "",
+            "| tokens | " + " | ".join(str(n) for n in show) + " | one draft level |",
+            "|---|" + "---|" * (len(show) + 1),
+            "| ms | " + " | ".join(f"{ms[n]:.1f}" for n in show) + f" | {1000 * c['draft_level_s']:.2f} |", ""]
+
+
+def host_section(run: Path) -> tuple[str, str]:
+    results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80")}
+    first = next((r for r in results.values() if r is not None), None)
+    if first is None:
+        sys.exit(f"no results.json under {run}")
+    kind = first["machine"]["cpu"]
+    lines = [f"<!-- host: {kind} -->", f"## {kind}", ""]
+    if results["main"]:
+        lines += speed_tables(results["main"], "fp32 target (exact codes): the four sets")
+        plot = run / "main" / "speedup.png"
+        if plot.is_file():
+            name = f"bench_speedup_{slug(kind)}.png"
+            shutil.copyfile(plot, DOCS / name)
+            lines += [f"![speedup over vanilla, fp32 target, {kind}](docs/{name})", ""]
+    if results["int4-q8"]:
+        lines += speed_tables(results["int4-q8"], "int4-q8 target (`--quantize fastest` with AVX512-VNNI)")
+    if results["ablation"]:
+        lines += speed_tables(results["ablation"], "Which tree (MT-bench first turns, T = 0)")
+    lines += curve_table(run)
+    if results["batch"] and results["batch"].get("batch_summary"):
+        lines += batch_table(results["batch"])
+    if results["tau80"]:
+        lines += tau_table(results["tau80"])
+    return kind, "\n".join(lines).rstrip() + "\n"
+
+
+def sections(doc: str) -> dict[str, str]:
+    """The per-host sections of an existing BENCHMARKS.md, by CPU kind."""
+    parts = re.split(r"(?m)^(?=<!-- host: )", doc)
+    out = {}
+    for part in parts[1:]:
+        kind = re.match(r"<!-- host: (.*?) -->", part).group(1)
+        out[kind] = part.rstrip() + "\n"
+    return out
+
+
+def main() -> None:
+    run = Path(sys.argv[1])
+    doc_path = Path(sys.argv[2] if len(sys.argv) > 2 else Path(__file__).resolve().parents[1] / "BENCHMARKS.md")
+    kept = sections(doc_path.read_text()) if doc_path.is_file() else {}
+    kind, section = host_section(run)
+    kept[kind] = section
+    doc_path.write_text(HEADER + "\n" + "\n".join(kept[k] for k in sorted(kept)))
+    print(f"{doc_path}: section {kind!r} written; kept {sorted(k for k in kept if k != kind)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""The paper's algorithm on torch and transformers alone: the draft head, trees, verification,
+the KV cache, the hidden-state tap and the decode loop, with the interfaces a backend
+(`Backend`) and a drafting policy (`DraftPolicy`) implement."""
+
+from .backend import Backend, DraftLevel
+from .engine import Engine, GenerationOutput, GenerationStats
+from .head import EagleDraftHead
+from .policy import DraftPolicy, Prediction
+from .verify import SamplingParams
+
+__all__ = ["Backend", "DraftLevel", "DraftPolicy", "EagleDraftHead", "Engine", "GenerationOutput",
+           "GenerationStats", "Prediction", "SamplingParams"]
