@@ -1,5 +1,6 @@
 """Write BENCHMARKS.md from a `scripts/benchmarks.sh` run: this host's section is regenerated from the
-run's results, the other CPU kinds' sections are kept as they are.
+run's results, the other CPU kinds' sections are kept as they are; the README's headline table
+(between `<!-- headline -->` and `<!-- /headline -->`) is rewritten from the run's main stage.
 
     python scripts/write_benchmarks.py RUN_DIR [BENCHMARKS.md]
 
@@ -143,6 +144,7 @@ def host_section(run: Path) -> tuple[str, str]:
         plot = run / "main" / "speedup.png"
         if plot.is_file():
             name = f"bench_speedup_{slug(kind)}.png"
+            DOCS.mkdir(exist_ok=True)
             shutil.copyfile(plot, DOCS / name)
             lines += [f"![speedup over vanilla, fp32 target, {kind}](docs/{name})", ""]
     if results["int4-q8"]:
@@ -155,6 +157,34 @@ def host_section(run: Path) -> tuple[str, str]:
     if results["tau80"]:
         lines += tau_table(results["tau80"])
     return kind, "\n".join(lines).rstrip() + "\n"
+
+
+def headline(result: dict) -> list[str]:
+    """The README's table: plain decoding and EAGLE's default on the four sets, with the host."""
+    rows, m = result["summary"], result["machine"]
+    datasets = [d for d in DATASETS if any(r["dataset"] == d for r in rows)]
+
+    def cell(d: str, method: str, temp: float, what: str) -> str:
+        r = next((r for r in rows if r["method"] == method and r["dataset"] == d and r["temperature"] == temp), None)
+        if r is None:
+            return "n/a"
+        if what == "tok/s":
+            return f"{r['tokens_per_s']:.0f}"
+        if what == "ceiling":
+            return fx(r.get("free_draft_speedup"))
+        return f"**{fx(r['speedup_vs_vanilla'])}** ({r['tokens_per_s']:.0f} tok/s, tau {r['tau']:.2f})"
+
+    out = [f"{m['cpu']}, {m['threads']} threads, host `{m.get('host', '?')}`, {m['date']}, commit "
+           f"`{m.get('commit') or '?'}`; fp32 target (exact codes):", "",
+           "| | " + " | ".join(DATASETS[d] for d in datasets) + " |", "|---|" + "---|" * len(datasets)]
+    for label, method, temp, what in (("plain decoding, tok/s", "vanilla", 0.0, "tok/s"),
+                                      ("`transformers.generate`, tok/s", "hf", 0.0, "tok/s"),
+                                      ("EAGLE, T = 0", "eagle", 0.0, "eagle"),
+                                      ("EAGLE, T = 1", "eagle", 1.0, "eagle"),
+                                      ("ceiling (drafting free), T = 0", "eagle", 0.0, "ceiling")):
+        cells = [cell(d, method, temp, what) for d in datasets]
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
 
 
 def sections(doc: str) -> dict[str, str]:
@@ -175,6 +205,14 @@ def main() -> None:
     kept[kind] = section
     doc_path.write_text(HEADER + "\n" + "\n".join(kept[k] for k in sorted(kept)))
     print(f"{doc_path}: section {kind!r} written; kept {sorted(k for k in kept if k != kind)}")
+    main_result, readme = load(run, "main"), doc_path.parent / "README.md"
+    if main_result and readme.is_file():
+        text = readme.read_text()
+        start, end = text.find("<!-- headline -->"), text.find("<!-- /headline -->")
+        if 0 <= start < end:
+            table = "\n".join(headline(main_result))
+            readme.write_text(text[: start + len("<!-- headline -->")] + "\n" + table + "\n" + text[end:])
+            print(f"{readme}: headline table written")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,18 @@ def test_bad_train_settings(tmp_path, run, extra, msg):
     assert rc == 2 and msg in err and "Traceback" not in err
 
 
+def test_an_unsupported_transformers_is_refused_in_one_line(run, monkeypatch):
+    """transformers outside the tested range: the CLI says so in one line and exits 2."""
+    from eaglespec import cli, platform
+
+    assert platform.unsupported_transformers("4.57.6") is None
+    for version in ("5.16.1", "4.40.0", "6.0.0.dev0"):
+        assert "is not supported" in platform.unsupported_transformers(version)
+    monkeypatch.setattr(cli, "unsupported_transformers", lambda: platform.unsupported_transformers("5.16.1"))
+    rc, _, err = run("generate", "--prompt", "hi")
+    assert rc == 2 and "transformers 5.16.1 is not supported" in err and len(err.strip().splitlines()) == 1
+
+
 def test_unknown_model(run):
     rc, _, err = run("generate", "--model", "no-such-model", "--prompt", "hi")
     assert rc == 2 and "unknown model" in err and "Traceback" not in err

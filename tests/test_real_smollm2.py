@@ -46,6 +46,30 @@ def test_cached_copy_is_bit_identical_to_gguf(smol):
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
+TOKENIZER_TEXTS = ["Hello world, how are you?", "  leading spaces\tand\ttabs\n\nnew lines", "def f(x):\n    return x**2 + 1",
+                   "3.14159 x 10^-3 = 0.00314; 1,234,567", "naïve café, Grüße, 東京, Привет, 🙂", "<|im_start|>user\nhi<|im_end|>",
+                   ""]
+
+
+def test_converted_tokenizer_is_the_gguf_s(smol):
+    """The converted folder holds the fast tokenizer alone (no GGUF copied as `tokenizer.model`, which
+    some transformers versions read as a SentencePiece model), and it gives the GGUF tokenizer's ids."""
+    from transformers import AutoTokenizer
+
+    from eaglespec.models import converted_path, gguf_path
+
+    folder = converted_path("smollm2-135m-instruct")
+    assert not (folder / "tokenizer.model").exists()
+    mine = AutoTokenizer.from_pretrained(str(folder))
+    path = gguf_path("smollm2-135m-instruct")
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in TOKENIZER_TEXTS:
+        assert mine(text).input_ids == ref(text).input_ids, text
+        assert mine.decode(mine(text).input_ids) == ref.decode(ref(text).input_ids)
+    chat = [{"role": "user", "content": TOKENIZER_TEXTS[0]}]
+    assert mine.apply_chat_template(chat, add_generation_prompt=True) == ref.apply_chat_template(chat, add_generation_prompt=True)
+
+
 def test_fp32_layers_stream_as_their_exact_codes_with_the_same_bits(smol, monkeypatch):
     """SmolLM2's fp32 weights are a dequantized GGUF (Q4_1 layers, a Q8_0 embedding): every linear
     layer runs from its codes, and the logits are the fp32 weights' bit for bit."""

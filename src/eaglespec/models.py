@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import EaglespecError, ModelNotFoundError
+from .io import atomic_write_json
 from .platform import cache_root, unsupported_transformers
 
 if unsupported_transformers():
@@ -112,6 +114,7 @@ def converted_path(name: str) -> Path:
     """The safetensors copy of a registered model, made on first use."""
     out = cache_root() / "models" / name
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        fast_tokenizer_only(out)
         return out
     model, tok = load_gguf(name)
     model.config.quantization_config = None
@@ -121,10 +124,27 @@ def converted_path(name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    fast_tokenizer_only(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def fast_tokenizer_only(folder: Path) -> None:
+    """Make a converted folder's tokenizer `tokenizer.json` alone. A tokenizer loaded from a GGUF
+    saves the GGUF itself as `tokenizer.model` (not a SentencePiece model) and names a slow class
+    that some transformers versions rebuild from that file, with other ids; the fast tokenizer's
+    own file holds the whole tokenizer. Idempotent: folders converted earlier are mended in place."""
+    spm, cfg_path = folder / "tokenizer.model", folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not cfg_path.is_file():
+        return
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("tokenizer_class") != "PreTrainedTokenizerFast":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        atomic_write_json(cfg, cfg_path)
+    if spm.is_file():
+        spm.unlink()
 
 
 def resolve(name_or_path: str) -> str:

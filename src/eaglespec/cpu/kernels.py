@@ -1,9 +1,8 @@
 """CPU linear kernels for few rows (`skinny.c`), built on first use with the system's C compiler.
 
-Speculative decoding sends 2-30 tokens through every linear layer where vanilla sends one. On
-this project's 2-core Xeon torch's default fp32 kernel costs 1.6x a one-token step at 4 rows and
-2x at 8, and its int4 kernel 2x at 8 (BENCHMARKS.md section 1), which caps the tree the cost model
-can afford. `skinny.c` streams each weight once whatever the row count (up to ~16 rows) and is no
+Speculative decoding sends 2-30 tokens through every linear layer where vanilla sends one. On a
+small CPU torch's default fp32 kernel costs 1.6x a one-token step at 4 rows and 2x at 8 (its int4
+kernel 2x at 8), which caps the tree the cost model can afford. `skinny.c` streams each weight once whatever the row count (up to ~16 rows) and is no
 slower for one row: `linear` for fp32 weights (`quant.PackedLinear`), `linear_q4` for 4-bit ones
 (`quant.Int4Linear`), `linear_bf16` for bf16 ones (`quant.Bf16Linear`), and with AVX512-BF16
 `linear_bf16dot` / `linear_q4dot` for bf16 / 4-bit weights and bf16-rounded inputs

@@ -434,7 +434,7 @@ QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot", "int4-dot", "int4-q8")
 
 
 def fastest_quantizer() -> str:
-    """The fastest lossless CPU target measured (BENCHMARKS.md): int4-q8 where AVX512-VNNI runs it, else
+    """The fastest lossless CPU target: int4-q8 where AVX512-VNNI runs it, else
     int4-dot where AVX512-BF16 does, else int4."""
     return "int4-q8" if kernels.q4q8_available() else "int4-dot" if kernels.bf16dot_available() else "int4"
 
@@ -475,10 +475,9 @@ class PackedLinear(nn.Module):
 
     torch's default CPU linear is tuned for big matrices: sending 2-26 tokens through it (a draft
     tree) costs 1.5-2x a one-token step. With AVX-512 or AVX2 the weight is laid out for `kernels`
-    (`skinny.c`); elsewhere it is pre-packed for oneDNN (measured on 2 EPYC cores: SmolLM2's LM
-    head, 1 token 14.7 -> 7.8 ms, 26 tokens 46 -> 17 ms). The kernel serves a prefill too: on 2
-    Zen 4 cores it ran SmolLM2's 30 layers over a 173-token prompt in 212 ms against torch's 276
-    (1.3x; 96 tokens 1.4x, 1,900 tokens 1.06x), and every row is then summed as a decode step sums it.
+    (`skinny.c`); elsewhere it is pre-packed for oneDNN, which also streams it once for a few rows.
+    The kernel serves a prefill too (no slower than torch's there), and every row is then summed as
+    a decode step sums it, which is what keeps a tree row equal to a decode step.
     """
 
     def __init__(self, linear: nn.Linear):

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # drawing) and a level accepts about half as often as at T = 0, so deep levels rarely pay.
 SAMPLED_AUTO_DEPTH = 3
 # What `auto` drafts sampled requests with on a CPU: one sampled token a round. Its sampled trees and
-# lookup grafts cost more planning than they won there (BENCHMARKS.md).
+# lookup grafts cost more planning than they won there.
 CPU_SAMPLED_TREE = "chain:1"
 
 
