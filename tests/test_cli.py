@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 
@@ -84,6 +85,10 @@ def test_generate_streams_text(tiny_dirs, gen):
     (["--prompt", "w3", "--tree", "dynamic:9,9"], "DEPTH"),
     (["--prompt", "w3", "--sampled-tree", "bushy"], "unknown tree"),
     (["--prompt", "w3", "--compile", "--quantize", "int8"], "plain fp32"),
+    (["--prompt", "w3", "--temperature", "1e-40"], "temperature must be 0 (greedy) or"),
+    (["--prompt", "w3", "--device", "foo"], "--device must be cpu or cuda"),
+    (["--prompt", "w3", "--device", "cuda:7"], "no such device"),
+    (["--prompt", "w3", "--temperature", "1", "--seed", str(2**70)], "--seed must be in"),
 ])
 def test_bad_input(tiny_dirs, gen, extra, msg):
     rc, out, err = gen(tiny_dirs, *extra)
@@ -98,6 +103,19 @@ def test_bad_input(tiny_dirs, gen, extra, msg):
 def test_bad_train_settings(tmp_path, run, extra, msg):
     rc, _, err = run("train", "--features", str(tmp_path), "--out", str(tmp_path / "run"), *extra)
     assert rc == 2 and msg in err and "Traceback" not in err
+
+
+def test_an_internal_error_is_one_line_and_exit_code_1(tiny_dirs, gen, monkeypatch):
+    """A bug of ours (here: the engine fails mid-decode) ends in one line and exit code 1, not a traceback."""
+    from eaglespec.spec import engine
+
+    def broken(*a, **kw):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(engine.Engine, "_verify", broken)
+    rc, _, err = gen(tiny_dirs, "--prompt", "w3 w5", "--max-new-tokens", "8")
+    assert rc == 1 and "internal error: RuntimeError: boom" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_an_unsupported_transformers_is_refused_in_one_line(run, monkeypatch):
@@ -137,6 +155,40 @@ def test_corrupt_and_foreign_checkpoints(tiny_dirs, tmp_path, run):
     (foreign / "config.json").write_text('{"model_type": "llama"}')
     rc, _, err = run("generate", "--model", str(tiny_dirs / "model"), "--head", str(foreign), "--no-chat", "--prompt", "w3")
     assert rc == 2 and "not an eaglespec draft head" in err
+
+
+def _broken_head(src, dst, config=None, tensors=None):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        state = load_file(str(dst / "model.safetensors"))
+        tensors(state)
+        save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("name,config,tensors,msg", [
+    ("layer_config", lambda c: c.update(layer_config=[1, 2]), None, "layer_config must be a dict"),
+    ("version", lambda c: c.update(format_version="1"), None, "format_version must be an integer"),
+    ("hidden", lambda c: c.update(hidden_size=-4), None, "hidden_size must be a positive int"),
+    ("d2t", None, lambda s: s.update(d2t=torch.zeros(0, dtype=torch.long)), "d2t is not a valid"),
+    ("d2t_float", None, lambda s: s.update(d2t=torch.zeros(4)), "d2t is not a valid"),
+    # sizes the file does not have are refused before anything of that size is allocated
+    ("huge", lambda c: c["layer_config"].update(intermediate_size=10**9), None, "has shape"),
+    ("layers", lambda c: c["layer_config"].update(num_hidden_layers=10**6), None, "layers are not the file's"),
+])
+def test_malformed_head_files_are_one_clear_line(tiny_dirs, tmp_path, run, name, config, tensors, msg):
+    bad = _broken_head(tiny_dirs / "head", tmp_path / name, config, tensors)
+    rc, _, err = run("generate", "--model", str(tiny_dirs / "model"), "--head", str(bad), "--no-chat", "--prompt", "w3")
+    assert rc == 2 and msg in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_profile_writes_curve_and_auto_uses_it(tiny_dirs, run, gen, tmp_path, monkeypatch):

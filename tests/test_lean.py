@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from eaglespec.cpu import CpuBackend, kernels, lean, pack_head
+from eaglespec.errors import EaglespecError
 from eaglespec.spec.cache import KVCache
 from eaglespec import Engine
 from eaglespec.cpu.lean import lean_layers
@@ -303,6 +304,10 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
         for a, b in zip(caches[0].layers, caches[1].layers):
             assert torch.equal(a.k_buf[:, :, :15], b.k_buf[:, :, :15]) and torch.equal(a.v_buf[:, :, :15], b.v_buf[:, :, :15])
         assert head.accel.draft_step(level, IDS[:5], pos, KVCache(64)) is None  # a cache not yet allocated
+        for bad in (-1, model.config.vocab_size):  # C reads embedding rows by id: never past the table
+            with pytest.raises(EaglespecError, match="token ids must be in"):
+                head.accel.draft_step(level, IDS[:4] + [bad], pos, caches[1], rows_plan(10, seen), k, temp)
+        assert caches[1].get_seq_length() == 15
     with torch.inference_mode():
         assert CpuBackend(model).draft_step(plain, level, IDS[:5], pos, caches[1]) is None  # not packed: forward's job
     taken = []

@@ -387,6 +387,33 @@ def test_skinny_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 
 
+def test_kernel_cache_is_private_keyed_by_the_compiler_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
+    """The library lives in a folder only this user may write (a planted library would run as them),
+    its name changes with the compiler, and a corrupt or unsafe file is rebuilt, not loaded."""
+    import os
+
+    from eaglespec.cpu import kernels
+
+    if not kernels.cpu_has("avx2"):
+        pytest.skip("needs AVX2")
+    flags = kernels.build_flags("avx2")
+    assert kernels.library_name(flags, "cc", "gcc 12") != kernels.library_name(flags, "cc", "gcc 13")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(RuntimeError, match="not a private folder"):
+        kernels._build(shared, "avx2")
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path / "cache"))
+    lib = kernels._build(tmp_path / "cache" / "kernels", "avx2")
+    assert (lib.parent.stat().st_mode & 0o777) == 0o700
+    lib.write_bytes(b"not a library")
+    assert kernels._load("avx2") is not None and lib.stat().st_size > 1000  # rebuilt, then loaded
+    lib.chmod(0o666)  # writable by others: not trusted, built again
+    before = lib.stat().st_ino
+    assert kernels._build(lib.parent, "avx2") == lib and lib.stat().st_ino != before
+    assert not lib.stat().st_mode & 0o022 and os.access(lib, os.R_OK)
+
+
 def test_a_kernel_that_cannot_be_built_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch):
     from eaglespec.cpu import kernels
 

@@ -211,6 +211,25 @@ def test_resume_equals_uninterrupted(tiny_features, tmp_path):
     assert (tmp_path / "a" / "curves.png").is_file() and (tmp_path / "a" / "train_log.json").is_file()
 
 
+def test_a_damaged_checkpoint_falls_back_to_the_one_before_and_the_schedule_cannot_change(tiny_features, tmp_path):
+    """The checkpoint before the newest is kept; a damaged newest one (here its state cut short) is
+    passed over for it, with a warning; resuming with another --epochs is refused in one line."""
+    root = tiny_features
+    common = dict(features=str(root / "feats"), model=str(root / "model"), epochs=2, batch_tokens=128,
+                  draft_vocab=0, eval_conversations=2, save_every=1, warmup_steps=2, lr=1e-3)
+    out = tmp_path / "run"
+    train(TrainConfig(out=str(out), max_steps=3, **common))
+    kept = sorted(p.name for p in out.glob("ckpt-*"))
+    assert kept == ["ckpt-0000002", "ckpt-0000003"] and (out / "latest").read_text().strip() == kept[-1]
+    state = out / kept[-1] / "trainer_state.json"
+    state.write_text(state.read_text()[:20])
+    with pytest.warns(UserWarning, match="damaged; resuming from"):
+        resumed = train(TrainConfig(out=str(out), max_steps=4, **common))
+    assert resumed["step"] == 4
+    with pytest.raises(EaglespecError, match="trained with --epochs 2"):
+        train(TrainConfig(out=str(out), max_steps=5, **{**common, "epochs": 3}))
+
+
 def test_init_starts_from_a_trained_head(tiny_features, tmp_path):
     root = tiny_features
     common = dict(features=str(root / "feats"), model=str(root / "model"), epochs=1, batch_tokens=128,

@@ -32,7 +32,7 @@ def test_target_probs_matches_transformers_warpers():
 
 
 @pytest.mark.parametrize("bad", [(-0.1, 1.0, 0), (float("nan"), 1.0, 0), (1.0, 0.0, 0), (1.0, 1.5, 0),
-                                 (1.0, 1.0, -1)])
+                                 (1.0, 1.0, -1), (1e-40, 1.0, 0), (5e-4, 1.0, 0), (True, 1.0, 0)])
 def test_bad_sampling_params(bad):
     with pytest.raises(ValueError):
         check_sampling(*bad)
@@ -154,6 +154,17 @@ def test_sample_token_draws_the_law_and_never_a_zero():
     assert counts[want == 0].sum() == 0
     sigma = (want * (1 - want) / n).sqrt()
     assert ((counts / n - want).abs() <= 4 * sigma + 1e-12).all(), counts / n
+
+
+@pytest.mark.parametrize("p", [[float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0], [float("inf"), 1.0, 0.0]])
+def test_sample_token_refuses_a_law_without_mass_rather_than_answer_past_the_vocabulary(p):
+    """NaN, all-zero or infinite entries (logits / a tiny temperature overflowing) cannot be drawn
+    from: a clear error, never the id one past the vocabulary that a search over them returns."""
+    from eaglespec.errors import EaglespecError
+
+    with pytest.raises(EaglespecError, match="no finite positive mass"):
+        sample_token(torch.tensor(p))
+    assert SamplingParams(temperature=1e-3).temperature == 1e-3  # the documented minimum is accepted
 
 
 @pytest.mark.parametrize("u, token", [(0.0, 1), (1.0, 2)])

@@ -18,6 +18,20 @@ SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
 QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot", "int4-dot", "int4-q8")  # quant.QUANTIZERS, named here so that --help needs no torch
 
 
+def check_device(device: str) -> None:
+    """--device: "cpu", or "cuda[:N]" where CUDA has that device."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise EaglespecError(f"--device must be cpu or cuda[:N], got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise EaglespecError(f"--device must be cpu or cuda[:N], got {device!r}")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise EaglespecError(f"--device {device} asked for, but CUDA has no such device here")
+
+
 def default_head(model: str) -> str | None:
     path = SHIPPED_HEADS / model.lower()
     return str(path) if (path / "config.json").is_file() else None
@@ -229,14 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_engine(a: argparse.Namespace):
     """The target's `Engine` (with the head when --method eagle) and its tokenizer, from generate's,
     chat's or serve's arguments."""
-    import torch
-
-    from .models import Engine
+    from .models import Engine, load_target
     from .spec.head import EagleDraftHead
-    from .models import load_target
 
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise EaglespecError("--device cuda asked for, but CUDA is not available")
     model, tok = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed, compile=a.compile)
     head = None
     if a.method == "eagle":
@@ -493,19 +502,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if hasattr(args, "tree") and args.tree is None:
         args.tree = default_tree(getattr(args, "device", "cpu"))  # bench runs on the CPU
-    if getattr(args, "quantize", None) == "fastest":
-        from .cpu.quant import fastest_quantizer
-
-        args.quantize = fastest_quantizer()
     try:
+        if getattr(args, "quantize", None) == "fastest":
+            from .cpu.quant import fastest_quantizer
+
+            args.quantize = fastest_quantizer()
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)
+        if getattr(args, "seed", None) is not None and not -(2**63) <= args.seed < 2**64:
+            raise EaglespecError(f"--seed must be in {-(2**63)}..{2**64 - 1}, got {args.seed}")
         return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "regenerate": cmd_regenerate,
                 "extract": cmd_extract, "train": cmd_train, "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
-    except (EaglespecError, ValueError) as e:
+    except (EaglespecError, ValueError) as e:  # bad input: its one line
         print(f"eaglespec: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("eaglespec: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 (a bug of ours: one line, not a traceback; EAGLESPEC_DEBUG=1 shows it)
+        if os.environ.get("EAGLESPEC_DEBUG"):
+            raise
+        first = str(e).splitlines()[0] if str(e) else ""
+        print(f"eaglespec: internal error: {type(e).__name__}: {first} (EAGLESPEC_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

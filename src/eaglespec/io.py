@@ -12,15 +12,28 @@ import torch
 from safetensors.torch import save_file
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's (or a folder's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """`write` a temporary file beside `path`, flush it to the disk, rename it over `path`, and flush
+    the folder: after a crash `path` holds the old content or the whole new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        fsync_path(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary outputs
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -31,8 +44,6 @@ def atomic_write_text(text: str, path: str | os.PathLike) -> None:
     def w(tmp: str) -> None:
         with open(tmp, "w") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
     _atomic(path, w)
 
 

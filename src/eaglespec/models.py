@@ -8,6 +8,7 @@ dequantized on first load (~15 s for SmolLM2) into an fp32 safetensors copy unde
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -15,17 +16,20 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from .errors import EaglespecError, ModelNotFoundError
-from .io import atomic_write_json
+from .io import atomic_write_json, fsync_path
 from .platform import cache_root, unsupported_transformers
 
 if unsupported_transformers():
     raise EaglespecError(unsupported_transformers())
 
 import torch  # noqa: E402 (after the version check: an unsupported transformers fails in one line)
+from safetensors import SafetensorError  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
 from .cpu import CpuBackend, kernels
@@ -87,18 +91,27 @@ def gguf_path(name: str) -> Path:
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".partial")
-    with open(tmp, "wb") as dst:
-        for module in spec.parts:
-            _package_dir(module, spec.install_hint)
-            part = Path(importlib.import_module(module).get_part_path())
-            with open(part, "rb") as src:
-                shutil.copyfileobj(src, dst, 1 << 22)
-    digest = _sha256(tmp)
-    if spec.sha256_prefix and not digest.startswith(spec.sha256_prefix):
-        tmp.unlink()
-        raise ModelNotFoundError(f"joined GGUF for {name} has sha256 {digest[:12]}..., expected {spec.sha256_prefix}...")
-    os.replace(tmp, out)
+    with _locked(out.parent / f".{spec.gguf_name}.lock"):
+        if out.is_file():  # joined by another process while this one waited
+            return out
+        fd, tmp = tempfile.mkstemp(prefix=f".{spec.gguf_name}.", suffix=".partial", dir=out.parent)
+        try:
+            with os.fdopen(fd, "wb") as dst:
+                for module in spec.parts:
+                    _package_dir(module, spec.install_hint)
+                    part = Path(importlib.import_module(module).get_part_path())
+                    with open(part, "rb") as src:
+                        shutil.copyfileobj(src, dst, 1 << 22)
+                dst.flush()
+                os.fsync(dst.fileno())
+            digest = _sha256(Path(tmp))
+            if spec.sha256_prefix and not digest.startswith(spec.sha256_prefix):
+                raise ModelNotFoundError(f"joined GGUF for {name} has sha256 {digest[:12]}..., "
+                                         f"expected {spec.sha256_prefix}...")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return out
 
 
@@ -110,24 +123,66 @@ def load_gguf(name: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrained
     return model, tok
 
 
-def converted_path(name: str) -> Path:
-    """The safetensors copy of a registered model, made on first use."""
+MANIFEST = "eaglespec-manifest.json"  # every file of a converted folder: size and sha256
+
+
+def _manifest(folder: Path) -> dict[str, dict]:
+    return {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def complete(folder: Path, check_hashes: bool = False) -> bool:
+    """Whether a converted folder holds every file its manifest lists, at its size (and, asked, its
+    hash): a copy cut short by a crash or a full disk is not complete."""
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())
+        return all((folder / n).stat().st_size == f["size"] and (not check_hashes or _sha256(folder / n) == f["sha256"])
+                   for n, f in listed.items()) and "model.safetensors" in listed
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (made if missing) for as long as the block runs."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def converted_path(name: str, rebuild: bool = False) -> Path:
+    """The safetensors copy of a registered model, made on first use: into a temporary folder,
+    flushed to disk with a manifest of its files, then renamed into place, under a lock, so that
+    processes converting at once make it once. A folder that fails its manifest is made again."""
     out = cache_root() / "models" / name
-    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+    if not rebuild and complete(out):
         fast_tokenizer_only(out)
         return out
-    model, tok = load_gguf(name)
-    model.config.quantization_config = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    fast_tokenizer_only(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with _locked(out.parent / f".{name}.lock"):
+        if not rebuild and complete(out):  # another process made it while this one waited
+            return out
+        for stale in out.parent.glob(f".{name}.*"):  # what crashed conversions left (the lock is held)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+        model, tok = load_gguf(name)
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        fast_tokenizer_only(tmp)
+        for p in tmp.iterdir():
+            fsync_path(p)
+        atomic_write_json(_manifest(tmp), tmp / MANIFEST)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        fsync_path(out.parent)
     return out
 
 
@@ -212,10 +267,13 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
                              "(--packed / --quantize int4) where they run: drop --packed / --quantize")
     src = resolve(name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
-        tok = AutoTokenizer.from_pretrained(src)
-    except OSError as e:
-        raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
+        model, tok = _load_folder(src, dtype, attn_implementation)
+    except (OSError, SafetensorError, ValueError) as e:
+        key = name_or_path.lower()
+        if key not in REGISTRY or complete(Path(src), check_hashes=True):
+            raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
+        # the converted copy is damaged (its files no longer match their hashes): made again, once
+        model, tok = _load_folder(str(converted_path(key, rebuild=True)), dtype, attn_implementation)
     model = model.to(device).eval()
     if quantize in QUANTIZERS:
         if quantize == "int4" and (device != "cpu" or not int4_available()):
@@ -226,6 +284,12 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
     if compile:
         compile_decoder(model)
     return model, tok
+
+
+def _load_folder(src: str, dtype: torch.dtype, attn_implementation: str
+                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
+    return model, AutoTokenizer.from_pretrained(src)
 
 
 def compile_decoder(model: PreTrainedModel) -> PreTrainedModel:

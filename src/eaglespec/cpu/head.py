@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import EaglespecError
 from ..spec.backend import DraftLevel
 from ..spec.cache import KVCache
 from ..spec.head import EagleDraftHead
@@ -78,6 +79,9 @@ class PackedHead:
                 or not 0 <= k <= 64 or k > head.draft_vocab_size or not isinstance(cache, KVCache) \
                 or len(cache.layers) != len(head.layers) or features.dtype != torch.float32:
             return None
+        if min(tokens) < 0 or max(tokens) >= head.embed.weight.shape[0]:  # C reads the embedding row by id
+            raise EaglespecError(f"token ids must be in 0..{head.embed.weight.shape[0] - 1}, got "
+                                 f"{min(tokens)}..{max(tokens)}")
         slot = write_slot(cache.layers, 1, m)
         if slot is None:
             return None

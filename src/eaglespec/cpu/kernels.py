@@ -9,8 +9,9 @@ slower for one row: `linear` for fp32 weights (`quant.PackedLinear`), `linear_q4
 (`quant.Bf16DotLinear`, `quant.Int4DotLinear`), and with AVX512-VNNI `linear_q4q8` for 4-bit weights
 and int8-quantized inputs (`quant.Int4Q8Linear`). Also `attend_rows`, row-exact attention.
 
-The shared library is compiled once per machine into ``$EAGLESPEC_CACHE/kernels`` (about half a
-second with gcc), named by a hash of the source and flags, written atomically. Where it cannot be
+The shared library is compiled once per machine into ``$EAGLESPEC_CACHE/kernels`` (a folder of this
+user's that nobody else may write to), named by a hash of the source, the flags and the compiler,
+written atomically, and rebuilt if it does not load. Where it cannot be
 built or run (neither AVX-512 nor AVX2, no compiler, ``EAGLESPEC_SKINNY=0``) `available()` is False and callers
 use torch's kernels.
 """
@@ -50,32 +51,87 @@ def isa() -> str | None:
     return "avx2" if cpu_has("avx2") and cpu_has("fma") else None
 
 
-def _build(out_dir: Path, isa: str) -> Path:
-    src = SOURCE.read_bytes()
+COMPILE_TIMEOUT_S = 300
+
+
+def build_flags(isa: str) -> list[str]:
     flags = [*FLAGS, ISA_FLAGS[isa]]
     if isa == "avx512" and cpu_has("avx512_bf16"):
         flags.append("-mavx512bf16")  # adds skinny_linear_bf16dot
     if isa == "avx512" and cpu_has("avx512_vnni") and cpu_has("avx512bw"):
         flags += ["-mavx512vnni", "-mavx512bw"]  # adds skinny_linear_q4q8
-    digest = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
-    lib = out_dir / f"skinny-{digest}.so"
-    if lib.exists():
-        return lib
+    return flags
+
+
+def compiler() -> tuple[str, str]:
+    """The C compiler ($CC, cc or gcc) and its version line, which the library's name includes: a
+    library built by another compiler is another library."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"{cc} --version failed ({e})") from None
+    return cc, (r.stdout.splitlines() or [""])[0]
+
+
+def private_dir(path: Path) -> Path:
+    """`path`, made if missing with mode 0700, and refused unless this user owns it and nobody else
+    may write to it: a library loaded from there runs as this user."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"{path} is not a private folder of this user (owner uid {st.st_uid}, mode "
+                           f"{st.st_mode & 0o777:o}); set EAGLESPEC_CACHE to one")
+    return path
+
+
+def library_name(flags: list[str], cc: str, version: str) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, version, *flags]).encode()).hexdigest()[:16]
+    return f"skinny-{digest}.so"
+
+
+def _safe_to_load(lib: Path) -> bool:
+    st = lib.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _build(out_dir: Path, isa: str, rebuild: bool = False) -> Path:
+    """The kernels' shared library for this source, flags and compiler: built once into a private
+    folder (named by a digest of all three, written atomically), rebuilt when asked (a library that
+    failed to load) or when the file there is not this user's alone."""
+    flags = build_flags(isa)
+    cc, version = compiler()
+    out_dir = private_dir(out_dir)
+    lib = out_dir / library_name(flags, cc, version)
+    if lib.exists() and not rebuild and _safe_to_load(lib):
+        return lib
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        try:
+            r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                               timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{cc} took more than {COMPILE_TIMEOUT_S} s") from None
         if r.returncode:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o700)
         os.replace(tmp, lib)  # atomic: a concurrent process sees the old state or the whole library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def _load(target: str) -> ctypes.CDLL:
+    """The library, rebuilt once if the cached file does not load (truncated, or another machine's)."""
+    lib = _build(cache_root() / "kernels", target)
+    try:
+        return ctypes.CDLL(str(lib))
+    except OSError:
+        return ctypes.CDLL(str(_build(cache_root() / "kernels", target, rebuild=True)))
 
 
 @lru_cache(maxsize=1)
@@ -84,7 +140,7 @@ def _lib() -> ctypes.CDLL | None:
     if target is None:
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cache_root() / "kernels", target)))
+        lib = _load(target)
     except (OSError, RuntimeError) as e:
         warnings.warn(f"eaglespec: its {target} kernels are unavailable ({e}); using torch's kernels")
         return None

@@ -30,7 +30,7 @@ from .policy import DraftPolicy, Prediction
 from .tap import HiddenStateTap
 from .tree import (DynamicTree, TreeBuffers, build_tree, float_mask, graft_chain, lineage, parse_spec, paths_of,
                    prefix_tree_mask, prompt_lookup, select_nodes, split_lookup, visible)
-from .verify import SamplingParams, greedy_accept, renormalise, sample_accept, sample_token, target_probs
+from .verify import SEEDS, SamplingParams, greedy_accept, renormalise, sample_accept, sample_token, target_probs
 
 DRAFT_SAMPLING = ("topk", "sample")
 
@@ -372,6 +372,8 @@ class Engine:
         if eagle and self.dynamic is not None and len(prompts) > 1:
             raise EaglespecError("dynamic trees decode one sequence at a time; use a static tree "
                                  "(paper, chain:K) for batches")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed not in SEEDS):
+            raise EaglespecError(f"seed must be an integer in {SEEDS.start}..{SEEDS.stop - 1}, got {seed!r}")
         gen = None
         if not sp.greedy:
             gen = torch.Generator(device=self.device)

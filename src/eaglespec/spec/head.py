@@ -377,7 +377,10 @@ class EagleDraftHead(nn.Module):
             check_fit(cfg, target.config)
         layer_cfg_dict = dict(cfg["layer_config"])
         model_type = layer_cfg_dict.pop("model_type", cfg["model_type"])
-        layer_cfg = AutoConfig.for_model(model_type, **layer_cfg_dict)
+        try:
+            layer_cfg = AutoConfig.for_model(model_type, **layer_cfg_dict)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(f"{path / 'config.json'}: layer_config is not a {model_type!r} config ({e})") from None
         layer_cfg._attn_implementation = "sdpa" if target is None else _draft_attention(target.config._attn_implementation)
         weights = path / "model.safetensors"
         try:
@@ -387,24 +390,30 @@ class EagleDraftHead(nn.Module):
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{weights}: not a readable safetensors file ({e})") from None
         d2t = state.get("d2t")
-        if d2t is not None and (d2t.dim() != 1 or int(d2t.min()) < 0 or int(d2t.max()) >= cfg["vocab_size"]):
+        if d2t is not None and (d2t.dim() != 1 or d2t.numel() == 0 or d2t.is_floating_point()
+                                or int(d2t.min()) < 0 or int(d2t.max()) >= cfg["vocab_size"]):
             raise CheckpointError(f"{weights}: d2t is not a valid draft-to-target id map")
         # one-layer heads written before `layers` existed name their layer "layer."
         state = {("layers.0." + k[6:] if k.startswith("layer.") else k): v for k, v in state.items()}
         aux_layers = cfg.get("aux_layers") or []
         if not isinstance(aux_layers, list) or not all(isinstance(i, int) and i >= 0 for i in aux_layers):
             raise CheckpointError(f"{path / 'config.json'}: aux_layers must be a list of layer indices")
-        head = cls(layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"), draft_vocab=d2t,
-                   num_layers=int(getattr(layer_cfg, "num_hidden_layers", 1) or 1), aux_layers=aux_layers)
-        head.metadata = read_training_record(path)
-        own = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+        num_layers = getattr(layer_cfg, "num_hidden_layers", 1) or 1
+        if num_layers != len({k.split(".")[1] for k in state if k.startswith("layers.")}):
+            raise CheckpointError(f"{weights}: the config's {num_layers} layers are not the file's")
+        make = partial(cls, layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"), draft_vocab=d2t,
+                       num_layers=int(num_layers), aux_layers=aux_layers)
+        with torch.device("meta"):  # the config's shapes, checked against the file's before anything is allocated
+            own = {k: v.shape for k, v in make().state_dict().items() if not k.startswith("rotary.")}
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
         if missing or unexpected:
             raise CheckpointError(f"{weights}: wrong tensors (missing {missing[:3]}, unexpected {unexpected[:3]})")
         for k, v in state.items():
-            if v.shape != own[k].shape:
-                raise CheckpointError(f"{weights}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+            if v.shape != own[k]:
+                raise CheckpointError(f"{weights}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k])}")
+        head = make()
+        head.metadata = read_training_record(path)
         head.load_state_dict(state, strict=False)
         if draft_vocab == "full":
             head.d2t = None
@@ -437,11 +446,17 @@ def read_head_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict) or cfg.get("format") != HEAD_FORMAT:
         raise CheckpointError(f"{cfg_path}: not an eaglespec draft head (no \"format\": \"{HEAD_FORMAT}\")")
-    if cfg.get("format_version", 0) > HEAD_FORMAT_VERSION:
-        raise CheckpointError(f"{cfg_path}: format version {cfg['format_version']} is newer than this eaglespec")
-    for key in ("model_type", "hidden_size", "vocab_size", "layer_config"):
+    version = cfg.get("format_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(f"{cfg_path}: format_version must be an integer, got {version!r}")
+    if version > HEAD_FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: format version {version} is newer than this eaglespec")
+    for key, kind in (("model_type", str), ("hidden_size", int), ("vocab_size", int), ("layer_config", dict)):
         if key not in cfg:
             raise CheckpointError(f"{cfg_path}: missing field {key!r}")
+        if not isinstance(cfg[key], kind) or isinstance(cfg[key], bool) or (kind is int and cfg[key] < 1):
+            raise CheckpointError(f"{cfg_path}: {key} must be a{' positive' if kind is int else ''} "
+                                  f"{kind.__name__}, got {cfg[key]!r}")
     return cfg
 
 

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import EaglespecError
 from .backend import TORCH, Backend
+
+
+# Below this, logits / temperature can overflow to inf (NaN after softmax); greedy decoding
+# (temperature 0) is what such a temperature asks for anyway.
+MIN_TEMPERATURE = 1e-3
+SEEDS = range(-(2**63), 2**64)  # what a torch generator takes; Python ints are unbounded
 
 
 @dataclass(frozen=True)
@@ -30,8 +37,9 @@ class SamplingParams:
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and math.isfinite(temperature) and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}")
     if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not (isinstance(top_k, int) and top_k >= 0):
@@ -88,6 +96,8 @@ def sample_token(p: torch.Tensor, generator: torch.Generator | None = None, back
         return int(drawn[0, 0])
     c = p.double().cumsum(-1)
     total = c[-1:]
+    if not bool(torch.isfinite(total).all()) or float(total) <= 0.0:  # else the search would answer V
+        raise EaglespecError("cannot sample: the distribution has no finite positive mass (NaN or inf logits)")
     u = u * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return int(torch.searchsorted(c, u, right=True))

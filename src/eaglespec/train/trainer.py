@@ -15,6 +15,7 @@ import math
 import random
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -294,14 +295,32 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def _readable(ck: Path) -> dict | None:
+    """A checkpoint's trainer state, or None where the folder is not a whole checkpoint."""
+    try:
+        state = json.loads((ck / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    whole = isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("config"), dict)
+    files = all((ck / f).is_file() for f in ("optimizer.pt", "head/config.json", "head/model.safetensors"))
+    return state if whole and files else None
+
+
 def _latest(out: Path) -> Path | None:
+    """The checkpoint to resume from: the one `latest` names, or where that one is damaged, the
+    newest whole one left (the previous one is kept until a newer one is whole)."""
     ptr = out / "latest"
     if not ptr.is_file():
         return None
     ck = out / ptr.read_text().strip()
-    if not (ck / "trainer_state.json").is_file():
-        raise CheckpointError(f"{ck}: checkpoint named by {ptr} is incomplete")
-    return ck
+    if _readable(ck) is not None:
+        return ck
+    for older in sorted(out.glob("ckpt-*"), reverse=True):
+        if _readable(older) is not None:
+            warnings.warn(f"eaglespec: {ck} is damaged; resuming from {older}")
+            return older
+    raise CheckpointError(f"{ck}: the checkpoint named by {ptr} is incomplete, and no whole one is left; "
+                          "start again with --no-resume or another --out")
 
 
 def train(cfg: TrainConfig, resume: bool = True) -> dict:
@@ -329,12 +348,15 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     ck = _latest(out) if resume else None
     if ck is not None:
         head = EagleDraftHead.from_pretrained(ck / "head", target)
-        state = json.loads((ck / "trainer_state.json").read_text())
+        state = _readable(ck)
         # a field added after the checkpoint was written counts as its default
         was = {**asdict(TrainConfig(features="", out="")), **state["config"]}
         if was != asdict(cfg):
             diff = {k: (was.get(k), v) for k, v in asdict(cfg).items() if was.get(k) != v}
-            if set(diff) - {"max_steps", "save_every", "epochs"}:
+            if "epochs" in diff:  # the learning-rate schedule spans every epoch: another count is another run
+                raise EaglespecError(f"{out} was trained with --epochs {diff['epochs'][0]}; resume with the same "
+                                     "(--max-steps stops early), or start another --out")
+            if set(diff) - {"max_steps", "save_every"}:
                 raise EaglespecError(f"{out} was trained with other settings {diff}; use another --out")
     else:
         torch.manual_seed(cfg.seed)
@@ -445,19 +467,24 @@ def _portable(config: dict) -> dict:
 
 
 def save_checkpoint(out: Path, head: EagleDraftHead, opt: torch.optim.Optimizer, state: dict) -> None:
-    """Write ckpt-<step>/ completely, then flip the `latest` pointer atomically, then drop older ones."""
+    """Write ckpt-<step>/ completely (every file flushed to disk), check it reads back whole, flip the
+    `latest` pointer atomically, then drop all but it and the one before it."""
     name = f"ckpt-{state['step']:07d}"
+    ptr = out / "latest"
+    previous = ptr.read_text().strip() if ptr.is_file() else None
     ck = out / name
     if ck.exists():
         shutil.rmtree(ck)
     head.save_pretrained(ck / "head")
     atomic_torch_save(opt.state_dict(), ck / "optimizer.pt")
     atomic_write_json(state, ck / "trainer_state.json")
-    atomic_write_text(name + "\n", out / "latest")
+    if _readable(ck) is None:
+        raise CheckpointError(f"{ck}: written but does not read back whole")
+    atomic_write_text(name + "\n", ptr)
     atomic_write_json({"log": state["log"], "evals": state["evals"], "tokens_seen": state["tokens_seen"],
                        "train_time_s": state["train_time_s"]}, out / "train_log.json")
     for old in out.glob("ckpt-*"):
-        if old.name != name:
+        if old.name not in (name, previous):
             shutil.rmtree(old, ignore_errors=True)
 
 
