@@ -71,7 +71,7 @@ def stamp(result: dict) -> str:
 def speed_tables(result: dict, title: str) -> list[str]:
     """One table per temperature: methods by dataset, each cell speedup (tok/s, tau, ceiling)."""
     cfg, rows = result["config"], result["summary"]
-    out = [f"### {title}", "", f"`eaglespec bench` {stamp(result)}. Tree of `eagle`: `{cfg['tree']}`.", ""]
+    out = [f"### {title}", "", f"`eaglespec bench` {stamp(result)}.", ""]
     datasets = [d for d in DATASETS if any(r["dataset"] == d for r in rows)]
     for temp in sorted({r["temperature"] for r in rows}):
         out += [f"T = {temp:g}:", "", "| method | " + " | ".join(DATASETS[d] for d in datasets) + " |",
@@ -85,9 +85,11 @@ def speed_tables(result: dict, title: str) -> list[str]:
                 if r is None:
                     cells.append("")
                     continue
-                extra = f", tau {r['tau']:.2f}, ceiling {fx(r.get('free_draft_speedup'))}" if r.get("tau") else ""
+                extra = (f", tau {r['tau']:.2f}, ceiling {fx(r.get('free_draft_speedup'))}"
+                         if method.startswith("eagle") and r.get("tau") else "")
                 cells.append(f"{fx(r['speedup_vs_vanilla'])} ({r['tokens_per_s']:.0f} tok/s{extra})")
-            out.append(f"| {method} | " + " | ".join(cells) + " |")
+            label = {"eagle": f"eagle (`{cfg['tree']}`)", "eagle-chain": f"eagle (`{cfg['chain']}`)"}.get(method, method)
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
         out.append("")
     eq = [r["greedy_equal"] for r in rows if r["temperature"] == 0 and r["greedy_equal"] is not None
           and r["method"].startswith("eagle")]
@@ -118,7 +120,7 @@ def batch_table(result: dict) -> list[str]:
     return out + [""]
 
 
-def curve_table(run: Path) -> list[str]:
+def curve_table(run: Path, kind: str) -> list[str]:
     path = run / "curve" / "cost_curve.json"
     if not path.is_file():
         return []
@@ -126,7 +128,7 @@ def curve_table(run: Path) -> list[str]:
     show = [n for n in (1, 2, 3, 4, 8, 16, 32, 64) if n in c["sizes"]]
     ms = {n: 1000 * t for n, t in zip(c["sizes"], c["verify_s"])}
     return ["### Cost curve (fp32 target: one forward + LM head vs tokens verified)", "",
-            f"{c['machine'].get('processor', '')}, {c['machine'].get('threads')} threads, context {c['context']}.", "",
+            f"{kind}, {c['machine'].get('threads')} threads, context {c['context']} tokens.", "",
             "| tokens | " + " | ".join(str(n) for n in show) + " | one draft level |",
             "|---|" + "---|" * (len(show) + 1),
             "| ms | " + " | ".join(f"{ms[n]:.1f}" for n in show) + f" | {1000 * c['draft_level_s']:.2f} |", ""]
@@ -151,7 +153,7 @@ def host_section(run: Path) -> tuple[str, str]:
         lines += speed_tables(results["int4-q8"], "int4-q8 target (`--quantize fastest` with AVX512-VNNI)")
     if results["ablation"]:
         lines += speed_tables(results["ablation"], "Which tree (MT-bench first turns, T = 0)")
-    lines += curve_table(run)
+    lines += curve_table(run, kind)
     if results["batch"] and results["batch"].get("batch_summary"):
         lines += batch_table(results["batch"])
     if results["tau80"]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..io import atomic_write_json
-from ..platform import cache_root, cpu_name
+from ..platform import cache_root, cpu_kind
 from ..spec.cache import KVCache
 from ..spec.tree import float_mask
 
@@ -80,7 +80,7 @@ class CostProfile:
 def machine_info(engine: "Engine") -> dict:
     """What sets a round's costs: the model, the machine, and what the backend made of both."""
     cfg = engine.model.config
-    cpu = cpu_name()
+    cpu = cpu_kind()
     if engine.device.type == "cuda":
         cpu = torch.cuda.get_device_name(engine.device)
     head = engine.head
