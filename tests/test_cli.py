@@ -320,7 +320,8 @@ def test_serve_subprocess_answers_and_stops(tiny_dirs):
         assert line.startswith("eaglespec: serving tiny (eagle, tree auto+lookup) at http://127.0.0.1:"), line
         body = {"model": "tiny", "messages": [{"role": "user", "content": "w30 w31 w32"}], "temperature": 0,
                 "max_tokens": 5}
-        req = urllib.request.Request(line.split(" at ")[1].strip() + "/chat/completions", data=json.dumps(body).encode())
+        req = urllib.request.Request(line.split(" at ")[1].strip() + "/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             got = json.loads(r.read())
         assert got["usage"]["completion_tokens"] == 5 and len(got["choices"][0]["message"]["content"].split()) == 5

@@ -289,7 +289,8 @@ def test_server_chat_is_vanilla_decoding(smol):
     try:
         body = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPTS[1]}], "temperature": 0,
                 "max_tokens": 48}
-        req = urllib.request.Request(srv.url + "/v1/chat/completions", data=json.dumps(body).encode())
+        req = urllib.request.Request(srv.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             got = json.loads(r.read())
     finally:

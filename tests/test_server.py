@@ -218,12 +218,102 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(srv):
     host, port = srv.server_address[:2]
     conn = http.client.HTTPConnection(host, port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "w30 w31 w32", "max_tokens": 400, "stream": True,
-                                                        "temperature": 1, "seed": 1}))
+                                                        "temperature": 1, "seed": 1}),
+                 {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.readline().startswith(b"data: ")
     conn.close()
     status, r = post(srv, "/v1/completions", {"prompt": "w5 w9", "temperature": 0, "max_tokens": 8})
     assert status == 200 and r["choices"][0]["text"] == vanilla(srv, srv.tok("w5 w9")["input_ids"], 8)[0]
+
+
+def raw_request(s, head: bytes, body: bytes = b"", shut: bool = True) -> tuple[int, dict]:
+    """A hand-written HTTP request (headers `head`, then `body`), the write side closed after it."""
+    import socket
+
+    host, port = s.server_address[:2]
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(head + b"\r\n" + body)
+        if shut:
+            sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1])
+
+
+def test_malformed_http_is_answered_and_the_server_stays_up(srv):
+    """Every malformed request gets OpenAI's error object and a status, never a dropped connection."""
+    good = b'{"prompt": "w5", "max_tokens": 2}'
+    for head, body, status, words in (
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n", good, 411, "Content-Length"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: -5\r\n", good, 411,
+         "Content-Length"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: lots\r\n", good, 411,
+         "Content-Length"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 500\r\n", good, 400,
+         "ended after"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n" % len(good), good,
+         415, "application/json"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n" % len(good), good, 415, "application/json"),
+    ):
+        code, r = raw_request(srv, head, body)
+        assert code == status and words in r["error"]["message"], (head, r)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for raw, words in ((deep, "nested too deeply"), (b'{"prompt": "w5 \\ud800"}', "not valid Unicode")):
+        code, r = post(srv, "/v1/completions", None, raw=raw)
+        assert code == 400 and words in r["error"]["message"], r
+    code, r = post(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 10**9})
+    assert code == 400 and r["error"]["param"] == "max_tokens" and "this server's limit" in r["error"]["message"]
+    code, r = post(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 2, "temperature": 1, "seed": 2**70})
+    assert code == 400 and "seed" in r["error"]["message"]
+    code, r = post(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 2, "temperature": 1e-40})
+    assert code == 400 and r["error"]["param"] == "temperature"
+    assert post(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 2})[0] == 200
+
+
+def test_a_failure_of_ours_is_a_500_and_the_server_goes_on(srv, monkeypatch):
+    from eaglespec import server
+
+    def broken(self):
+        yield "w"
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(server.Completion, "pieces", broken)
+    code, r = post(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 4})
+    assert code == 500 and r["error"]["type"] == "server_error" and "RuntimeError" in r["error"]["message"]
+    events = post_stream(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 4})
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"  # an error event, then [DONE]
+    monkeypatch.undo()
+    assert post(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 2})[0] == 200
+
+
+def test_api_key_and_the_warning_beyond_loopback(srv, capsys):
+    keyed = serve(srv.engine, srv.tok, "tiny", srv.eos, port=0, warm_up=False, api_key="s3cret")
+    threading.Thread(target=keyed.serve_forever, daemon=True).start()
+    try:
+        body = json.dumps({"prompt": "w5", "max_tokens": 2}).encode()
+        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                                ({"Authorization": "Bearer s3cret"}, 200)):
+            req = urllib.request.Request(keyed.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    code = r.status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            assert code == status
+        with urllib.request.urlopen(keyed.url + "/health") as r:  # health checks need no key
+            assert r.status == 200
+    finally:
+        keyed.shutdown()
+        keyed.server_close()
+    capsys.readouterr()
+    for host, key, warned in (("0.0.0.0", None, True), ("0.0.0.0", "k", False), ("127.0.0.1", None, False)):
+        s = serve(srv.engine, srv.tok, "tiny", srv.eos, host=host, port=0, warm_up=False, api_key=key)
+        s.server_close()
+        assert ("without --api-key" in capsys.readouterr().err) == warned
 
 
 class BytesTok:

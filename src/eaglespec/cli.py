@@ -143,6 +143,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the address is printed)")
     p.add_argument("--model-id", default=None, help="the name clients send as `model` (default: --model)")
+    p.add_argument("--api-key", default=None, help="require this key as a Bearer token on every request but /health "
+                   "(default: $EAGLESPEC_API_KEY; none: anyone who reaches the address may use the model)")
     p.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of a request that gives none")
 
 
@@ -355,7 +357,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise EaglespecError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     eng, tok = _load_engine(a)
     try:
-        srv = serve(eng, tok, a.model_id or a.model, eos_ids(tok, eng.model), a.host, a.port, a.method, a.max_tokens)
+        srv = serve(eng, tok, a.model_id or a.model, eos_ids(tok, eng.model), a.host, a.port, a.method, a.max_tokens,
+                    api_key=a.api_key or os.environ.get("EAGLESPEC_API_KEY") or None)
     except OSError as e:
         raise EaglespecError(f"cannot listen on {a.host}:{a.port} ({e.strerror or e})") from None
     print(f"eaglespec: serving {srv.model_id} ({a.method}, tree {a.tree}) at {srv.url}/v1", file=sys.stderr,

@@ -12,11 +12,20 @@ object with the round statistics (tau, tokens/s).
 
 One request decodes at a time: the engine holds one KV cache, and on a CPU two decodes side by side
 would only split the same cores. Later requests wait their turn. Stdlib only (`http.server`).
+
+Every answer is JSON or a server-sent event stream, errors included (OpenAI's error object; 500 for
+a failure of ours, and in a stream an error event, then ``[DONE]``). Requests must say
+``Content-Type: application/json`` (so a web page cannot post to it without a CORS preflight,
+which this server does not grant), carry a body within `MAX_BODY` and, with ``--api-key``, the key as
+a Bearer token; a client that sends or reads nothing for `SOCKET_TIMEOUT_S` is dropped.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
+import sys
 import threading
 import time
 import uuid
@@ -33,6 +42,7 @@ from .text import TextStream
 from .spec.verify import SamplingParams
 
 MAX_BODY = 4 << 20  # bytes
+SOCKET_TIMEOUT_S = 60  # a client silent this long (not sending its body, not reading its answer) is dropped
 MAX_STOP = 4  # OpenAI's limit on stop strings
 FINISH = {"eos": "stop", "length": "length", "context": "length"}  # engine reason -> OpenAI's
 
@@ -87,7 +97,17 @@ def _message_text(m: Any, i: int) -> dict:
     return {"role": role, "content": content}
 
 
-def parse_request(body: Any, tok: PreTrainedTokenizerBase, chat: bool, default_max_tokens: int) -> Request:
+def _check_text(texts: list[str], param: str) -> None:
+    """Text a tokenizer can take: valid Unicode (JSON can carry lone surrogates, which it cannot)."""
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("the text is not valid Unicode (a lone surrogate)", param) from None
+
+
+def parse_request(body: Any, tok: PreTrainedTokenizerBase, chat: bool, default_max_tokens: int,
+                  max_tokens_limit: int = 1 << 20) -> Request:
     """Validate an OpenAI request body and tokenize its prompt; `RequestError` names the bad field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -104,6 +124,9 @@ def parse_request(body: Any, tok: PreTrainedTokenizerBase, chat: bool, default_m
         max_tokens = _number(body, "max_tokens", default_max_tokens, int)
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    if max_tokens > max_tokens_limit:
+        raise RequestError(f"max_tokens must be <= {max_tokens_limit} (this server's limit), got {max_tokens}",
+                           "max_tokens")
     temperature = _number(body, "temperature", 1.0)  # OpenAI's default
     top_p = _number(body, "top_p", 1.0)
     top_k = _number(body, "top_k", 0, int)  # not OpenAI's, but vLLM's and llama.cpp's
@@ -130,6 +153,7 @@ def parse_request(body: Any, tok: PreTrainedTokenizerBase, chat: bool, default_m
             raise RequestError("every message is empty", "messages")
         if tok.chat_template is None:
             raise RequestError("this model has no chat template: use /v1/completions", "messages")
+        _check_text([m["content"] for m in msgs], "messages")
         ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
     else:
         prompt = body.get("prompt")
@@ -139,6 +163,7 @@ def parse_request(body: Any, tok: PreTrainedTokenizerBase, chat: bool, default_m
             raise RequestError("prompt must be a string (one prompt per request)", "prompt")
         if not prompt.strip():
             raise RequestError("empty prompt", "prompt")
+        _check_text([prompt], "prompt")
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
     return Request(ids, max_tokens, sampling, seed, stop, stream, include_usage)
 
@@ -223,10 +248,12 @@ class EagleServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], engine: Engine, tok: PreTrainedTokenizerBase, model_id: str,
-                 eos: list[int], method: str = "eagle", default_max_tokens: int = 1024) -> None:
+                 eos: list[int], method: str = "eagle", default_max_tokens: int = 1024,
+                 api_key: str | None = None) -> None:
         super().__init__(address, Handler)
         self.engine, self.tok, self.model_id, self.eos = engine, tok, model_id, eos
-        self.method, self.default_max_tokens = method, default_max_tokens
+        self.method, self.default_max_tokens, self.api_key = method, default_max_tokens, api_key
+        self.max_tokens_limit = engine.max_context  # no answer can be longer than the context
         self.lock = threading.Lock()
 
     @property
@@ -238,6 +265,22 @@ class EagleServer(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     server: EagleServer
     protocol_version = "HTTP/1.1"
+    timeout = SOCKET_TIMEOUT_S  # on every read and write of this connection
+
+    def _authorised(self) -> bool:
+        key = self.server.api_key
+        if key is None:
+            return True
+        given = self.headers.get("Authorization") or ""
+        return given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())
+
+    def handle_one_request(self) -> None:
+        """A dropped or silent client ends its own connection, never the server; a failure of ours
+        still answers (500, OpenAI's error object) where nothing was sent yet."""
+        try:
+            super().handle_one_request()
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True
 
     def _send_json(self, obj: dict, status: int = 200) -> None:
         data = json.dumps(obj).encode()
@@ -252,6 +295,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0].rstrip("/")
+        if path != "/health" and not self._authorised():
+            return self._fail(RequestError("a valid API key is needed (Authorization: Bearer KEY)", status=401,
+                                           kind="authentication_error"))
         if path == "/health":
             self._send_json({"status": "ok"})
         elif path == "/v1/models":
@@ -262,18 +308,34 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?")[0].rstrip("/")
+        sent = False
         try:
-            size = int(self.headers.get("Content-Length") or 0)
+            length = self.headers.get("Content-Length")
+            if length is None or not length.strip().isdigit():
+                self.close_connection = True  # where the body ends is unknown
+                raise RequestError("a Content-Length header (a whole number of bytes) is needed", status=411)
+            size = int(length)
             if size > MAX_BODY:
                 self.close_connection = True  # the unread body must not be taken for the next request
                 raise RequestError(f"request body over {MAX_BODY} bytes", status=413)
             raw = self.rfile.read(size)
+            if len(raw) < size:
+                self.close_connection = True
+                raise RequestError(f"the body ended after {len(raw)} of its {size} bytes")
+            if not self._authorised():
+                raise RequestError("a valid API key is needed (Authorization: Bearer KEY)", status=401,
+                                   kind="authentication_error")
+            kind = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                raise RequestError(f"Content-Type must be application/json, got {kind or 'none'!r}", status=415)
             if path not in ("/v1/chat/completions", "/v1/completions"):
                 raise RequestError(f"no such endpoint: POST {path}", status=404, kind="not_found_error")
             try:
                 body = json.loads(raw or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(f"the request body is not valid JSON ({e})") from None
+            except RecursionError:
+                raise RequestError("the request body is nested too deeply") from None
             model = body.get("model") if isinstance(body, dict) else None
             if model not in (None, self.server.model_id):
                 raise RequestError(f"model {model!r} is not served here; this server serves "
@@ -282,17 +344,26 @@ class Handler(BaseHTTPRequestHandler):
             # the lock covers the tokenizer too: a fast tokenizer used from two threads at once can
             # fail ("Already borrowed")
             with self.server.lock:
-                req = parse_request(body, self.server.tok, chat, self.server.default_max_tokens)
+                req = parse_request(body, self.server.tok, chat, self.server.default_max_tokens,
+                                    self.server.max_tokens_limit)
                 self.server.engine.check_request(req.prompt_ids, req.max_tokens, self.server.method)
                 done = Completion(self.server, req, chat)
                 if req.stream:
+                    sent = True  # the stream's headers go out first; its errors go in the stream
                     return self._stream(done)
                 text = "".join(done.pieces())
+            sent = True
             self._send_json(done.response(text))
         except RequestError as e:
             self._fail(e)
         except EaglespecError as e:
             self._fail(RequestError(str(e)))
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True  # the client is gone or silent: nobody to answer
+        except Exception as e:  # noqa: BLE001 (a failure of ours: answered, logged, and the server goes on)
+            self.log_error("internal error on %s: %s: %s", path, type(e).__name__, e)
+            if not sent:
+                self._fail(RequestError(f"internal error: {type(e).__name__}", status=500, kind="server_error"))
 
     def _stream(self, done: Completion) -> None:
         self.send_response(200)
@@ -308,19 +379,43 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")
         except RequestError as e:  # found once decoding began: reported in the stream
-            self.wfile.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
-        except (BrokenPipeError, ConnectionResetError):
-            events.close()  # the client left: stop decoding, free the engine for the next request
+            self._end_stream(e)
+        except (TimeoutError, ConnectionError):
+            events.close()  # the client left or stopped reading: stop decoding, free the engine
+        except Exception as e:  # noqa: BLE001 (a failure of ours mid-stream: an error event, then [DONE])
+            self.log_error("internal error in a stream: %s: %s", type(e).__name__, e)
+            events.close()
+            self._end_stream(RequestError(f"internal error: {type(e).__name__}", status=500, kind="server_error"))
+
+    def _end_stream(self, e: RequestError) -> None:
+        try:
+            self.wfile.write(b"data: " + json.dumps(e.body()).encode() + b"\n\ndata: [DONE]\n\n")
+        except (TimeoutError, ConnectionError):
+            pass
 
 
 def serve(engine: Engine, tok: PreTrainedTokenizerBase, model_id: str, eos: list[int], host: str = "127.0.0.1",
-          port: int = 8000, method: str = "eagle", default_max_tokens: int = 1024, warm_up: bool = True
-          ) -> EagleServer:
+          port: int = 8000, method: str = "eagle", default_max_tokens: int = 1024, warm_up: bool = True,
+          api_key: str | None = None) -> EagleServer:
     """An `EagleServer` bound to host:port (port 0: any free one), not yet serving: call
     ``serve_forever()`` on it (in a thread, for tests) and ``shutdown()`` to stop. `warm_up` decodes a
     few tokens first, so that the first client does not wait for `--tree auto`'s cost curve (measured
     once per machine) or for the kernels' first calls."""
-    srv = EagleServer((host, port), engine, tok, model_id, eos, method, default_max_tokens)
+    if default_max_tokens > engine.max_context:
+        default_max_tokens = engine.max_context
+    srv = EagleServer((host, port), engine, tok, model_id, eos, method, default_max_tokens, api_key)
+    if api_key is None and not _loopback(host):
+        print(f"eaglespec: warning: serving on {host} without --api-key: anyone who reaches this address can "
+              "use the model", file=sys.stderr)
     if warm_up:
         engine.generate(tok("Hello")["input_ids"] or [0], 4, SamplingParams(), method, eos_token_ids=eos)
     return srv
+
+
+def _loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -53,8 +53,8 @@ GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")  # forward: down
 
 class GatedMLP(nn.Module):
     """transformers' gated MLP, down(act(gate(x)) * up(x)), calling gate and up as one fused layer
-    directly: the same kernels and numbers as `_Part`s, without their round trip (one MLP call on
-    one token: 100 -> ~70 µs here, ~1 ms of a SmolLM2 decode step)."""
+    directly: the same kernels and numbers as `_Part`s, without their round trip (about a third of
+    an MLP call's time on one token)."""
 
     def __init__(self, mlp: nn.Module, gate_up: FusedLinear):
         super().__init__()

@@ -210,9 +210,9 @@ class DraftGate:
     arithmetic-bound (int4-q8 on 2 cores at T = 1: 1.7 tokens per 7.7 ms round against a 3.8 ms
     step), a drafted round brings fewer tokens per second than a plain step. Both sides are timed by
     the clock, the whole round with its bookkeeping, trusted within 2x of the cost curve either way
-    (a process's first rounds pay one-off costs). The curve alone misleads: one measured on a
-    busy host put int4-q8's step at 4.1 ms against 3.1 real, and drafting looked like a win while it
-    lost. So the gate times plain steps itself: `warmup` of them once `warmup` drafted rounds are
+    (a process's first rounds pay one-off costs). The curve alone misleads (one measured on a busy
+    host can overstate a step by a third and make a losing draft look like a win), so the gate
+    times plain steps itself: `warmup` of them once `warmup` drafted rounds are
     in, then one every `refresh` drafted rounds. A round that first feeds the head a backlog (the
     prompt, or the plain steps' tokens) is not counted: its feed, and a new prompt's one-off costs
     (1-2 ms more at int4-q8, beyond the feed), are the switch's, not drafting's. Decayed sums; once
