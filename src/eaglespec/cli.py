@@ -62,7 +62,7 @@ TREE_HELP = ("paper (EAGLE's 25-node tree) | chain:K | dynamic[:DEPTH,TOP_K,TOTA
 
 def default_tree(device: str) -> str:
     """The tree when --tree is not given. On a CPU every verified token costs arithmetic and the
-    paper's 26-node tree costs several steps, so `auto` sizes each round by the machine's cost curve;
+    paper's 25-node tree costs several steps, so `auto` sizes each round by the machine's cost curve;
     a GPU verifies the paper's tree for about the price of a step (the paper's setting)."""
     return "auto+lookup" if device.split(":")[0] == "cpu" else "paper"
 
@@ -512,8 +512,11 @@ def main(argv: list[str] | None = None) -> int:
             args.quantize = fastest_quantizer()
         if getattr(args, "device", None) is not None:
             check_device(args.device)
-        if getattr(args, "seed", None) is not None and not -(2**63) <= args.seed < 2**64:
-            raise EaglespecError(f"--seed must be in {-(2**63)}..{2**64 - 1}, got {args.seed}")
+        if getattr(args, "seed", None) is not None:
+            from .spec.verify import SEEDS
+
+            if args.seed not in SEEDS:
+                raise EaglespecError(f"--seed must be in {SEEDS.start}..{SEEDS.stop - 1}, got {args.seed}")
         return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "regenerate": cmd_regenerate,
                 "extract": cmd_extract, "train": cmd_train, "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
     except (EaglespecError, ValueError) as e:  # bad input: its one line

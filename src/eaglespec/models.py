@@ -159,7 +159,6 @@ def converted_path(name: str, rebuild: bool = False) -> Path:
     processes converting at once make it once. A folder that fails its manifest is made again."""
     out = cache_root() / "models" / name
     if not rebuild and complete(out):
-        fast_tokenizer_only(out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with _locked(out.parent / f".{name}.lock"):
@@ -190,7 +189,7 @@ def fast_tokenizer_only(folder: Path) -> None:
     """Make a converted folder's tokenizer `tokenizer.json` alone. A tokenizer loaded from a GGUF
     saves the GGUF itself as `tokenizer.model` (not a SentencePiece model) and names a slow class
     that some transformers versions rebuild from that file, with other ids; the fast tokenizer's
-    own file holds the whole tokenizer. Idempotent: folders converted earlier are mended in place."""
+    own file holds the whole tokenizer."""
     spm, cfg_path = folder / "tokenizer.model", folder / "tokenizer_config.json"
     if not (folder / "tokenizer.json").is_file() or not cfg_path.is_file():
         return

@@ -12,9 +12,9 @@ with one token a round.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
-from ..spec.policy import DraftPolicy, Prediction, expected_gains, ratio
+from ..spec.policy import DraftPolicy, Prediction, ratio
 from ..spec.tree import TreeBuffers, plan_children
 from .costmodel import CostProfile, DraftGate, LiveCosts, load_or_measure
 
@@ -27,6 +27,12 @@ SAMPLED_AUTO_DEPTH = 3
 # What `auto` drafts sampled requests with on a CPU: one sampled token a round. Its sampled trees and
 # lookup grafts cost more planning than they won there.
 CPU_SAMPLED_TREE = "chain:1"
+
+
+def expected_gains(scores: list[float], calibration: float) -> list[float]:
+    """Each candidate's expected extra accepted tokens, best first: its cumulative draft probability
+    scaled by the head's calibration."""
+    return sorted((math.exp(x) * calibration for x in scores), reverse=True)
 
 
 class AutoPolicy(DraftPolicy):
@@ -42,7 +48,6 @@ class AutoPolicy(DraftPolicy):
         self._gated: DraftGate | None = None  # the gate this round asked, if any
         self._drafted_last = False  # whether the head drafted last round (else it has a backlog to feed)
         self.lookup_hits: list[list[float]] = []  # per graft position: decayed (accepted, proposed)
-        self._chain: list[tuple[int, ...]] = []  # this round's grafted chain, as node paths
 
     def bind(self, engine: "Engine") -> None:
         self.engine = engine
@@ -150,10 +155,9 @@ class AutoPolicy(DraftPolicy):
                 best_l, best = l, rate
         return best_l
 
-    def observe_lookup(self, tree: TreeBuffers, path: list[int], chain: list[tuple[int, ...]]) -> None:
+    def observe_lookup(self, tree: TreeBuffers, path: list[int], chain: Sequence[tuple[int, ...]]) -> None:
         """Proposed positions learn from this round; the others drift back to their prior, so a
         position the budget stopped proposing (after a run of misses) is tried again later."""
-        self._chain = chain
         decay, on_path = self.decay, {tree.paths[i] for i in path}
         while len(self.lookup_hits) < max(len(chain), self.engine.lookup):
             self.lookup_hits.append([self._lookup_prior(len(self.lookup_hits)), 1.0])

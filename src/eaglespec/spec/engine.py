@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -96,7 +96,7 @@ class Draft(NamedTuple):
     tree: TreeBuffers
     predicted: Prediction | None = None
     drafted: TreeBuffers | None = None
-    chain: list[tuple[int, ...]] = []
+    chain: Sequence[tuple[int, ...]] = ()
 
 
 @dataclass
@@ -659,7 +659,7 @@ class Engine:
         value is its parent's times the head's j-th largest probability at the parent: the shape
         follows the head's distributions, and the calibration compares acceptance with the same
         planned values."""
-        head, dyn = self.head, self.dynamic
+        head = self.head
         k, temp, _ = self._level_top(sp)
         toks: list[int] = []
         parents: list[int] = []

@@ -10,9 +10,8 @@ drafted node is verified, and an undrafted round is a plain decoding step.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import EaglespecError
 from .tree import TreeBuffers, plan_children
@@ -101,7 +100,7 @@ class DraftPolicy:
     def observe_round(self, tokens: int, draft: "Draft", seconds: float, drafted: bool) -> None:
         """A whole round (or plain step) emitted `tokens` in `seconds`, bookkeeping included."""
 
-    def observe_lookup(self, tree: TreeBuffers, path: list[int], chain: list[tuple[int, ...]]) -> None:
+    def observe_lookup(self, tree: TreeBuffers, path: list[int], chain: Sequence[tuple[int, ...]]) -> None:
         """The accepted `path` of a tree with grafted lookup guesses (`chain`, as node paths)."""
 
     # -- how the head's confidence relates to acceptance ------------------------------------------
@@ -124,8 +123,3 @@ class DraftPolicy:
                 a, p = self.calibration_rank[r]
                 self.calibration_rank[r] = [decay * a + hits, decay * p + pred]
 
-
-def expected_gains(scores: list[float], calibration: float) -> list[float]:
-    """Each candidate's expected extra accepted tokens, best first: its cumulative draft probability
-    scaled by the head's calibration."""
-    return sorted((math.exp(x) * calibration for x in scores), reverse=True)
