@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from eaglespec.spec.cache import KVCache
+from eaglespec.spec.engine import ContinuousBatch
 from eaglespec.policy.costmodel import CostProfile, DraftGate, LiveCosts
 from eaglespec import Engine
 from eaglespec.spec.policy import Prediction, ratio
@@ -927,6 +928,89 @@ def test_batch_sampling_law_of_first_three_tokens():
     eng = Engine(model, head, tree=[[0], [1], [0, 0], [0, 1], [1, 0]])
     assert_law(lambda s: eng.generate_batch([ids, [4, 4, 6, 1, 7, 2]], 3, sampling=sp, seed=s)[0].token_ids,
                law, V, 3000)
+
+
+# -- continuous batching: sequences join and leave a running batch at round boundaries ---------
+def run_continuous(cb: ContinuousBatch, arrivals: dict[int, list[tuple[int, list[int], int]]],
+                   cancel: dict[int, int] | None = None) -> tuple[dict[int, list[int]], dict[int, str], list[int]]:
+    """Step `cb` until empty; `arrivals[step]` join before that step, `cancel[key]` leaves before
+    that step. Returns tokens and finish reasons per key, and the batch size of every step."""
+    tokens: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    sizes, step = [], 0
+    while len(cb) or any(s >= step for s in arrivals):
+        for key, ids, n in arrivals.get(step, []):
+            cb.add(key, ids, n)
+            tokens[key] = []
+        for key, at in (cancel or {}).items():
+            if at == step:
+                cb.cancel(key)
+        sizes.append(len(cb))
+        for key, new, reason in cb.step():
+            assert key not in reasons, "an event after the finish"
+            tokens[key] += new
+            if reason is not None:
+                reasons[key] = reason
+        step += 1
+    return tokens, reasons, sizes
+
+
+@pytest.mark.parametrize("tree,batch_tree", [("paper", "paper"), ("dynamic:3,2,6+lookup", "chain:2"),
+                                             ("chain:3", None)])
+def test_continuous_batch_rows_equal_their_own_greedy_decoding(tiny_pair, tree, batch_tree):
+    """Rows join a running batch at different rounds with different budgets and leave at their own
+    end; each row's tokens are its own greedy decoding, whatever ran beside it (one row alone drafts
+    with the engine's tree, several with the batch's tree or plain batched steps)."""
+    model, head = tiny_pair
+    eng = Engine(model, head, tree=tree)
+    batch = None if batch_tree is None else Engine(model, head, tree=batch_tree)
+    prompts = PROMPTS + [[40, 41], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 9]]
+    budgets = [30, 12, 25, 40, 20]
+    full = [hf_greedy(model, ids, n) for ids, n in zip(prompts, budgets)]
+    eos = full[3][9]
+    refs = [hf_greedy(model, ids, n, eos=eos) for ids, n in zip(prompts, budgets)]
+    cb = ContinuousBatch(eng, eos_token_ids=[eos], batch=batch)
+    arrivals = {0: [(0, prompts[0], budgets[0])], 2: [(1, prompts[1], budgets[1]), (2, prompts[2], budgets[2])],
+                5: [(3, prompts[3], budgets[3])], 30: [(4, prompts[4], budgets[4])]}
+    tokens, reasons, sizes = run_continuous(cb, arrivals)
+    assert [tokens[k] for k in range(5)] == refs
+    assert reasons[3] == "eos" and all(reasons[k] == "length" for k in (0, 1, 2, 4) if refs[k][-1] != eos)
+    assert max(sizes) >= 3 and 1 in sizes[1:]  # they really shared rounds, and one ran alone too
+    assert cb.run is None and not len(cb)
+    vanilla = ContinuousBatch(eng, method="vanilla", eos_token_ids=[eos])
+    assert [run_continuous(vanilla, arrivals)[0][k] for k in range(5)] == refs
+
+
+def test_continuous_batch_cancel_and_refusals(tiny_pair):
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="paper")
+    cb = ContinuousBatch(eng, batch=Engine(model, head, tree="chain:2"))
+    tokens, reasons, _ = run_continuous(cb, {0: [(0, PROMPTS[0], 40), (1, PROMPTS[1], 40)]}, cancel={0: 3})
+    assert 0 not in reasons and 0 < len(tokens[0]) < 40  # no event after the cancel
+    assert tokens[1] == hf_greedy(model, PROMPTS[1], 40)
+    with pytest.raises(EaglespecError, match="empty prompt"):
+        cb.add(5, [], 3)
+    cb.add(5, [3], 3)
+    with pytest.raises(EaglespecError, match="already"):
+        cb.add(5, [4], 3)
+    with pytest.raises(EaglespecError, match="static tree"):
+        ContinuousBatch(eng, batch=Engine(model, head, tree="dynamic"))
+
+
+def test_continuous_batch_sampling_law_of_a_row_that_joins_late():
+    """Row 0's law when it joins a batch whose other row has run for two rounds already (the batch
+    tree drafts sampled nodes for both)."""
+    V, model, head, sp = law_setup()
+    ids = [2, 5, 3]
+    law = exact_three_token_law(model, ids, sp).flatten()
+    eng = Engine(model, head, tree=[[0], [1], [0, 0]], sampled_tree=None)
+    batch = Engine(model, head, tree=[[0], [1], [0, 0], [0, 1], [1, 0]], sampled_tree=None)
+
+    def sample(seed: int) -> list[int]:
+        cb = ContinuousBatch(eng, sp, batch=batch, seed=seed)
+        return run_continuous(cb, {0: [(1, [4, 4, 6, 1, 7, 2], 12)], 2: [(0, ids, 3)]})[0][0]
+
+    assert_law(sample, law, V, 2000)
 
 
 @pytest.mark.parametrize("tree", ["paper", "dynamic:3,2,6"])

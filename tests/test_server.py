@@ -115,17 +115,19 @@ def test_stop_strings_cut_the_text(srv):
 
 
 def test_usage_counts_no_token_past_a_stop_string(srv, monkeypatch):
+    from eaglespec import server
+
     """A round may accept tokens past the stop string; usage counts what vanilla decoding would have."""
     full, ids, _ = vanilla(srv, srv.tok("w5 w9 w17")["input_ids"], 40)
     stop = " " + full.split()[3]
     used = next(n for n in range(1, len(ids) + 1) if stop in srv.tok.decode(ids[:n], skip_special_tokens=True))
     assert used < len(ids)
 
-    def one_round(prompt_ids, max_tokens, sampling, method, seed, eos, stats):
-        stats.new_tokens = len(ids)  # every token in one round, as a long accepted path would give
+    def one_round(job, alive):
+        job.stats.new_tokens = len(ids)  # every token in one round, as a long accepted path would give
         yield list(ids), "length"
 
-    monkeypatch.setattr(srv.engine, "stream", one_round)
+    monkeypatch.setattr(server.Job, "tokens", one_round)
     status, r = post(srv, "/v1/completions", {"prompt": "w5 w9 w17", "temperature": 0, "max_tokens": 40, "stop": stop})
     assert status == 200 and r["choices"][0]["text"] == full[:full.find(stop)]
     assert r["usage"]["completion_tokens"] == used
@@ -178,7 +180,7 @@ def test_bad_json_and_other_endpoints(srv):
     with urllib.request.urlopen(srv.url + "/v1/models") as resp:
         assert json.loads(resp.read())["data"][0]["id"] == "tiny"
     with urllib.request.urlopen(srv.url + "/health") as resp:
-        assert json.loads(resp.read()) == {"status": "ok"}
+        assert json.loads(resp.read()) == {"status": "ok", "running": 0, "waiting": 0}
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(srv.url + "/v2/nothing")
     assert e.value.code == 404
@@ -342,3 +344,226 @@ def test_text_stream_waits_for_whole_characters_and_stop_strings():
     t = TextStream(tok)
     assert t.push([4]) == "" and t.push([5]) == "é"  # half a character is held back
     assert t.push([4]) == "" and t.finish() == "\ufffd"  # ... until the end
+
+
+# -- the official client, concurrency, the queue, faults -------------------------------------------
+def test_the_official_openai_client(srv):
+    """Chat, completions, streaming and errors through `openai.OpenAI`, as users call it."""
+    import openai
+
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    want, ids, _ = vanilla(srv, chat_ids(srv, "w5 w9 w17"), 16)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w9 w17"}],
+                                       max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == want and r.usage.completion_tokens == len(ids)
+    parts = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w9 w17"}],
+                                           max_tokens=16, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+    chunks = list(parts)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == len(ids)
+    c = client.completions.create(model="tiny", prompt="w30 w31", max_tokens=8, temperature=0)
+    assert c.choices[0].text == vanilla(srv, srv.tok("w30 w31")["input_ids"], 8)[0]
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="w5", max_tokens=4, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="w5", max_tokens=4)
+
+
+class Paused:
+    """Holds the scheduler's decode thread before each round until released (to fill its queue)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from eaglespec.spec.engine import ContinuousBatch
+
+        self.go, self.sizes = threading.Event(), []
+        step = ContinuousBatch.step
+
+        def held(cb):
+            self.sizes.append(len(cb))
+            self.go.wait(60)
+            return step(cb)
+
+        monkeypatch.setattr(ContinuousBatch, "step", held)
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_order_is_kept(srv, monkeypatch):
+    paused = Paused(monkeypatch)
+    small = serve(srv.engine, srv.tok, "tiny", srv.eos, port=0, warm_up=False, max_batch=1, max_queue=2)
+    threading.Thread(target=small.serve_forever, daemon=True).start()
+    try:
+        done: list[int] = []
+
+        def ask(i: int) -> None:
+            status, r = post(small, "/v1/completions", {"prompt": f"w{i}", "temperature": 0, "max_tokens": 3})
+            assert status == 200
+            done.append(i)
+
+        threads = []
+        for i in range(3):  # one decoding (held), two waiting
+            threads.append(threading.Thread(target=ask, args=(i,)))
+            threads[-1].start()
+            wait_for(lambda: sum(small.scheduler.load().values()) == i + 1)
+        req = urllib.request.Request(small.url + "/v1/completions", data=b'{"prompt": "w5", "max_tokens": 2}',
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 503 and int(e.value.headers["Retry-After"]) >= 1
+        assert json.loads(e.value.read())["error"]["type"] == "server_error"
+        paused.go.set()
+        for t in threads:
+            t.join(60)
+        assert done == [0, 1, 2]  # first come, first served
+    finally:
+        paused.go.set()
+        small.shutdown()
+        small.server_close()
+
+
+def test_a_client_that_leaves_cancels_its_request_streamed_or_not(srv, monkeypatch):
+    import socket
+
+    paused = Paused(monkeypatch)
+    endless = serve(srv.engine, srv.tok, "tiny", [], port=0, warm_up=False)  # no end token: 400 tokens to go
+    threading.Thread(target=endless.serve_forever, daemon=True).start()
+    host, port = endless.server_address[:2]
+    for stream in (False, True):
+        paused.sizes.clear()
+        paused.go.clear()
+        body = json.dumps({"prompt": "w30 w31", "max_tokens": 400, "temperature": 0, "stream": stream}).encode()
+        with socket.create_connection((host, port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            wait_for(lambda: endless.scheduler.load()["running"] == 1)
+        paused.go.set()  # the client has gone: the job ends within a poll, not after 400 tokens
+        wait_for(lambda: endless.scheduler.load() == {"running": 0, "waiting": 0}, 10)
+        assert len(paused.sizes) < 20  # rounds run: 400 tokens would take 80 or more
+    monkeypatch.undo()
+    endless.shutdown()
+    endless.server_close()
+    assert post(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 2})[0] == 200
+
+
+def test_request_body_fuzz_gets_answers_never_a_drop(srv):
+    """Seeded random mutations of valid bodies: every one gets a status and JSON (a 200 or OpenAI's
+    error object, never a 5xx), and the server is healthy after."""
+    import random
+
+    rng = random.Random(1234)
+    values = [None, True, -1, 0, 1, 2.5, 1e308, -1e308, 2**64, "", "w5", "\ud800", [], [1], {}, {"a": 1},
+              ["w5"], [{"role": "user", "content": "w5"}], "x" * 5000]
+    keys = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n",
+            "model", "stream_options", "max_completion_tokens", "logprobs", "role", "content"]
+    base = {"/v1/completions": {"prompt": "w5 w9", "max_tokens": 3},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 3}}
+    for i in range(120):
+        path = rng.choice(list(base))
+        body = json.loads(json.dumps(base[path]))
+        for _ in range(rng.randint(1, 3)):
+            key = rng.choice(keys)
+            if rng.random() < 0.2:
+                body.pop(key, None)
+            elif key in ("role", "content") and "messages" in body and isinstance(body["messages"], list) \
+                    and body["messages"] and isinstance(body["messages"][0], dict):
+                body["messages"][0][key] = rng.choice(values)
+            else:
+                body[key] = rng.choice(values)
+        raw = json.dumps(body).encode()
+        if rng.random() < 0.15:  # damaged JSON too
+            cut = rng.randrange(len(raw))
+            raw = raw[:cut] + bytes([rng.randrange(256)]) + raw[cut + 1:]
+        body_stream = isinstance(body, dict) and body.get("stream") is True
+        req = urllib.request.Request(srv.url + path, data=raw, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status, data = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, data = e.code, e.read()
+        assert status < 500, (i, raw[:200], data[:200])
+        if status == 200 and body_stream:
+            assert data.rstrip().endswith(b"data: [DONE]")
+        else:
+            parsed = json.loads(data)
+            assert ("choices" in parsed) == (status == 200), (raw[:200], parsed)
+    assert post(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 2})[0] == 200
+
+
+def test_load_and_faults(srv, monkeypatch):
+    """16 clients x 3 requests at once, streamed and not, greedy and sampled, some leaving mid-stream,
+    one reading slowly, a few malformed: every finished answer equals its vanilla decoding, no 5xx,
+    requests really shared rounds, and the server is healthy after."""
+    import random
+    import socket
+    import time
+
+    from eaglespec.spec.engine import ContinuousBatch
+
+    sizes: list[int] = []
+    step = ContinuousBatch.step
+    monkeypatch.setattr(ContinuousBatch, "step", lambda cb: sizes.append(len(cb)) or step(cb))
+    prompts = [f"w{3 + i} w{40 + 2 * i} w{90 - i}" for i in range(8)]
+    want = {p: vanilla(srv, srv.tok(p)["input_ids"], 24) for p in prompts}
+    failures: list[str] = []
+    host, port = srv.server_address[:2]
+
+    def client(c: int) -> None:
+        rng = random.Random(c)
+        for k in range(3):
+            p = rng.choice(prompts)
+            kind = ("leave" if c % 5 == 0 and k == 1 else "slow" if c == 1 and k == 0 else
+                    "malformed" if c % 7 == 3 and k == 2 else rng.choice(["plain", "stream", "sampled"]))
+            body = {"prompt": p, "max_tokens": 24, "temperature": 0}
+            try:
+                if kind == "malformed":
+                    status, r = post(srv, "/v1/completions", None, raw=b'{"prompt": "w5", "max_tokens": }')
+                    assert status == 400, r
+                elif kind == "sampled":
+                    status, r = post(srv, "/v1/completions", {**body, "temperature": 0.8})
+                    assert status == 200 and r["usage"]["completion_tokens"] <= 24
+                elif kind == "plain":
+                    status, r = post(srv, "/v1/completions", body)
+                    assert status == 200 and r["choices"][0]["text"] == want[p][0], (p, r)
+                elif kind == "stream":
+                    events = post_stream(srv, "/v1/completions", body)
+                    assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == want[p][0]
+                else:  # leave mid-stream, or read one event a while
+                    with socket.create_connection((host, port), timeout=60) as sock:
+                        data = json.dumps({**body, "stream": True, "max_tokens": 200}).encode()
+                        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+                        first = sock.recv(64)
+                        assert first.startswith(b"HTTP/1.1 200"), first
+                        if kind == "slow":
+                            got = first
+                            while not got.rstrip().endswith(b"data: [DONE]"):
+                                time.sleep(0.05)
+                                chunk = sock.recv(256)
+                                assert chunk, "the stream ended early"
+                                got += chunk
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"client {c} request {k} ({kind}): {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(16)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not any(t.is_alive() for t in threads), "clients still waiting"
+    assert not failures, failures
+    assert time.monotonic() - t0 < 240
+    assert max(sizes) > 1  # requests decoded together
+    wait_for(lambda: srv.scheduler.load() == {"running": 0, "waiting": 0}, 30)
+    with urllib.request.urlopen(srv.url + "/health") as r:
+        assert json.loads(r.read())["status"] == "ok"

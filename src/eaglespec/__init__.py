@@ -12,7 +12,7 @@ from typing import Any
 from .errors import EaglespecError
 
 # loaded on first use, so that `eaglespec --help` and a refused transformers version answer in one line
-_LAZY = {"Engine": "models", "load_target": "models", "EagleDraftHead": "spec", "GenerationOutput": "spec",
+_LAZY = {"Engine": "models", "ContinuousBatch": "spec", "load_target": "models", "EagleDraftHead": "spec", "GenerationOutput": "spec",
          "GenerationStats": "spec", "SamplingParams": "spec"}
 
 
@@ -22,6 +22,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'eaglespec' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "GenerationOutput", "GenerationStats", "EaglespecError", "EagleDraftHead", "load_target",
+__all__ = ["ContinuousBatch", "Engine", "GenerationOutput", "GenerationStats", "EaglespecError", "EagleDraftHead", "load_target",
            "SamplingParams"]
 __version__ = "0.1.0"

@@ -146,6 +146,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require this key as a Bearer token on every request but /health "
                    "(default: $EAGLESPEC_API_KEY; none: anyone who reaches the address may use the model)")
     p.add_argument("--max-tokens", type=int, default=1024, help="max_tokens of a request that gives none")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together, at most (continuous "
+                   "batching: each round one target forward for all of them)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond those; more are "
+                   "answered 503 with Retry-After")
+    p.add_argument("--batch-tree", default="none", metavar="TREE",
+                   help="what several running requests draft: a static tree (paper, chain:K) or 'none' for plain "
+                        "batched steps (default: on a CPU a batch verifies its drafts for about what they save; "
+                        "BENCHMARKS.md has the concurrency table). One running request drafts with --tree")
 
 
 def _add_extract(sub: argparse._SubParsersAction) -> None:
@@ -353,12 +361,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     if not 0 <= a.port <= 65535:
         raise EaglespecError(f"--port must be in 0..65535, got {a.port}")
-    if a.max_tokens < 1:
-        raise EaglespecError(f"--max-tokens must be >= 1, got {a.max_tokens}")
+    for name in ("max_tokens", "max_batch", "max_queue"):
+        if getattr(a, name) < 1:
+            raise EaglespecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     eng, tok = _load_engine(a)
     try:
         srv = serve(eng, tok, a.model_id or a.model, eos_ids(tok, eng.model), a.host, a.port, a.method, a.max_tokens,
-                    api_key=a.api_key or os.environ.get("EAGLESPEC_API_KEY") or None)
+                    api_key=a.api_key or os.environ.get("EAGLESPEC_API_KEY") or None,
+                    batch_tree=None if a.batch_tree == "none" else a.batch_tree, max_batch=a.max_batch,
+                    max_queue=a.max_queue)
     except OSError as e:
         raise EaglespecError(f"cannot listen on {a.host}:{a.port} ({e.strerror or e})") from None
     print(f"eaglespec: serving {srv.model_id} ({a.method}, tree {a.tree}) at {srv.url}/v1", file=sys.stderr,

@@ -10,8 +10,11 @@ OpenAI's clients expect. Output is the target's own (EAGLE is lossless), so a cl
 the server from plain decoding except by its speed; each response also carries an ``eaglespec``
 object with the round statistics (tau, tokens/s).
 
-One request decodes at a time: the engine holds one KV cache, and on a CPU two decodes side by side
-would only split the same cores. Later requests wait their turn. Stdlib only (`http.server`).
+Requests that arrive together decode together (`scheduler.Scheduler`: continuous batching, each
+round one target forward for every running request); the decode thread hands tokens to each request's
+own queue, and the request's handler thread writes them, so a slow or departed client holds up
+nobody. A client that leaves (streamed or not) cancels its request. A full queue answers 503 with
+``Retry-After``. Stdlib only (`http.server`).
 
 Every answer is JSON or a server-sent event stream, errors included (OpenAI's error object; 500 for
 a failure of ours, and in a stream an error event, then ``[DONE]``). Requests must say
@@ -25,6 +28,8 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import select
+import socket
 import sys
 import threading
 import time
@@ -35,11 +40,11 @@ from typing import Any, Iterator
 
 from transformers import PreTrainedTokenizerBase
 
-from .models import Engine
-from .spec import GenerationStats
 from .errors import EaglespecError
-from .text import TextStream
+from .models import Engine
+from .scheduler import Job, QueueFull, Scheduler, ServerClosing
 from .spec.verify import SamplingParams
+from .text import TextStream
 
 MAX_BODY = 4 << 20  # bytes
 SOCKET_TIMEOUT_S = 60  # a client silent this long (not sending its body, not reading its answer) is dropped
@@ -51,9 +56,9 @@ class RequestError(EaglespecError):
     """A request the server refuses: an HTTP status and OpenAI's error object."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.param, self.status, self.kind = param, status, kind
+        self.param, self.status, self.kind, self.headers = param, status, kind, headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
@@ -169,34 +174,42 @@ def parse_request(body: Any, tok: PreTrainedTokenizerBase, chat: bool, default_m
 
 
 class Completion:
-    """Runs one request on the engine and turns its tokens into OpenAI's response objects."""
+    """One request's decode (a `Job` on the scheduler), turned into OpenAI's response objects."""
 
-    def __init__(self, server: "EagleServer", req: Request, chat: bool) -> None:
-        self.server, self.req, self.chat = server, req, chat
+    def __init__(self, server: "EagleServer", req: Request, chat: bool, job: Job) -> None:
+        self.server, self.req, self.chat, self.job = server, req, chat, job
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.stats = GenerationStats()
+        self.stats = job.stats
         self.finish_reason = "length"
         self.text: TextStream | None = None
+        self.alive = lambda: True  # whether the client is still there (asked while no token comes)
 
     def pieces(self) -> Iterator[str]:
-        """The completion's text, piece by piece as the engine accepts tokens (call with the lock held)."""
+        """The completion's text, piece by piece as the scheduler sends tokens; the job is cancelled
+        when the text stops early, the client leaves, or anything fails."""
         s, req = self.server, self.req
         text = self.text = TextStream(s.tok, req.stop)
         try:
-            for new, reason in s.engine.stream(req.prompt_ids, req.max_tokens, req.sampling, s.method, req.seed,
-                                               s.eos, self.stats):
-                self.finish_reason = FINISH[reason]
-                piece = text.push(new)
+            for new, reason in self.job.tokens(self.alive):
+                self.finish_reason = FINISH[reason or "length"]
+                with s.tok_lock:
+                    piece = text.push(new)
                 if text.stopped:
                     self.finish_reason = "stop"
                     yield piece
                     return
                 if piece:
                     yield piece
-            yield text.finish()
+            with s.tok_lock:
+                tail = text.finish()
+            yield tail
+        except ServerClosing as e:
+            raise RequestError(str(e), status=503, kind="server_error") from None
         except EaglespecError as e:  # do_POST checked the request; anything the engine still refuses
             raise RequestError(str(e), "messages" if self.chat else "prompt") from None
+        finally:
+            self.job.cancel()
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.server.model_id}
@@ -243,18 +256,27 @@ class Completion:
 
 
 class EagleServer(ThreadingHTTPServer):
-    """The HTTP server: one engine, one tokenizer, one request decoding at a time."""
+    """The HTTP server: one engine, one tokenizer, one decode thread (`Scheduler`)."""
 
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], engine: Engine, tok: PreTrainedTokenizerBase, model_id: str,
                  eos: list[int], method: str = "eagle", default_max_tokens: int = 1024,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, batch: Engine | None = None, max_batch: int = 8,
+                 max_queue: int = 64) -> None:
         super().__init__(address, Handler)
         self.engine, self.tok, self.model_id, self.eos = engine, tok, model_id, eos
         self.method, self.default_max_tokens, self.api_key = method, default_max_tokens, api_key
         self.max_tokens_limit = engine.max_context  # no answer can be longer than the context
-        self.lock = threading.Lock()
+        # a fast tokenizer used from two threads at once can fail ("Already borrowed")
+        self.tok_lock = threading.Lock()
+        self.scheduler = Scheduler(engine, method, eos, batch, max_batch, max_queue)
+
+    def server_close(self) -> None:
+        super().server_close()
+        scheduler = getattr(self, "scheduler", None)  # None: the address could not be bound
+        if scheduler is not None:
+            scheduler.close()
 
     @property
     def url(self) -> str:
@@ -282,16 +304,26 @@ class Handler(BaseHTTPRequestHandler):
         except (TimeoutError, ConnectionError):
             self.close_connection = True
 
-    def _send_json(self, obj: dict, status: int = 200) -> None:
+    def _send_json(self, obj: dict, status: int = 200, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
     def _fail(self, e: RequestError) -> None:
-        self._send_json(e.body(), e.status)
+        self._send_json(e.body(), e.status, e.headers)
+
+    def _client_alive(self) -> bool:
+        """False once the client closed its side of the connection (it left)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+        except (OSError, ValueError):
+            return False
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0].rstrip("/")
@@ -299,7 +331,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._fail(RequestError("a valid API key is needed (Authorization: Bearer KEY)", status=401,
                                            kind="authentication_error"))
         if path == "/health":
-            self._send_json({"status": "ok"})
+            self._send_json({"status": "ok", **self.server.scheduler.load()})
         elif path == "/v1/models":
             self._send_json({"object": "list", "data": [
                 {"id": self.server.model_id, "object": "model", "created": 0, "owned_by": "eaglespec"}]})
@@ -341,17 +373,26 @@ class Handler(BaseHTTPRequestHandler):
                 raise RequestError(f"model {model!r} is not served here; this server serves "
                                    f"{self.server.model_id!r}", "model", 404, "not_found_error")
             chat = path == "/v1/chat/completions"
-            # the lock covers the tokenizer too: a fast tokenizer used from two threads at once can
-            # fail ("Already borrowed")
-            with self.server.lock:
+            with self.server.tok_lock:
                 req = parse_request(body, self.server.tok, chat, self.server.default_max_tokens,
                                     self.server.max_tokens_limit)
-                self.server.engine.check_request(req.prompt_ids, req.max_tokens, self.server.method)
-                done = Completion(self.server, req, chat)
-                if req.stream:
-                    sent = True  # the stream's headers go out first; its errors go in the stream
-                    return self._stream(done)
-                text = "".join(done.pieces())
+            self.server.engine.check_request(req.prompt_ids, req.max_tokens, self.server.method)
+            try:
+                job = self.server.scheduler.submit(req.prompt_ids, req.max_tokens, req.sampling, req.seed)
+            except QueueFull as e:
+                raise RequestError(str(e), status=503, kind="server_error",
+                                   headers={"Retry-After": str(e.retry_after)}) from None
+            except ServerClosing as e:
+                raise RequestError(str(e), status=503, kind="server_error") from None
+            done = Completion(self.server, req, chat, job)
+            done.alive = self._client_alive
+            if req.stream:
+                sent = True  # the stream's headers go out first; its errors go in the stream
+                return self._stream(done)
+            text = "".join(done.pieces())
+            if not self._client_alive():
+                self.close_connection = True
+                return  # nobody to answer
             sent = True
             self._send_json(done.response(text))
         except RequestError as e:
@@ -396,19 +437,28 @@ class Handler(BaseHTTPRequestHandler):
 
 def serve(engine: Engine, tok: PreTrainedTokenizerBase, model_id: str, eos: list[int], host: str = "127.0.0.1",
           port: int = 8000, method: str = "eagle", default_max_tokens: int = 1024, warm_up: bool = True,
-          api_key: str | None = None) -> EagleServer:
+          api_key: str | None = None, batch_tree: str | None = None, max_batch: int = 8,
+          max_queue: int = 64) -> EagleServer:
     """An `EagleServer` bound to host:port (port 0: any free one), not yet serving: call
-    ``serve_forever()`` on it (in a thread, for tests) and ``shutdown()`` to stop. `warm_up` decodes a
-    few tokens first, so that the first client does not wait for `--tree auto`'s cost curve (measured
+    ``serve_forever()`` on it (in a thread, for tests) and ``shutdown()`` then ``server_close()`` to
+    stop. Up to `max_batch` requests decode together, drafting `batch_tree` (a static tree; None:
+    plain batched steps) while several run; `max_queue` more may wait. `warm_up` decodes a few
+    tokens first, so that the first client does not wait for `--tree auto`'s cost curve (measured
     once per machine) or for the kernels' first calls."""
     if default_max_tokens > engine.max_context:
         default_max_tokens = engine.max_context
-    srv = EagleServer((host, port), engine, tok, model_id, eos, method, default_max_tokens, api_key)
+    batch = None
+    if batch_tree is not None and method == "eagle":
+        batch = engine.with_tree(batch_tree)
+        if batch.dynamic is not None:
+            raise EaglespecError(f"the batch tree must be static (paper, chain:K, a list of paths), got {batch_tree!r}")
+    srv = EagleServer((host, port), engine, tok, model_id, eos, method, default_max_tokens, api_key, batch,
+                      max_batch, max_queue)
+    if warm_up:  # before serve_forever: no request can reach the engine yet
+        engine.generate(tok("Hello")["input_ids"] or [0], 4, SamplingParams(), method, eos_token_ids=eos)
     if api_key is None and not _loopback(host):
         print(f"eaglespec: warning: serving on {host} without --api-key: anyone who reaches this address can "
               "use the model", file=sys.stderr)
-    if warm_up:
-        engine.generate(tok("Hello")["input_ids"] or [0], 4, SamplingParams(), method, eos_token_ids=eos)
     return srv
 
 

@@ -104,6 +104,29 @@ class PreallocLayer(CacheLayerMixin):
             self.k_buf, self.v_buf = self.k_buf.index_select(0, rows), self.v_buf.index_select(0, rows)
             self._set_length(self.length)
 
+    def add_rows(self, max_len: int, source: "PreallocLayer | None" = None, count: int = 0) -> None:
+        """Append batch rows: `source`'s rows (entries 0..its length), or `count` empty ones; the
+        buffers grow to `max_len` entries if shorter. The length becomes the longest row's; shorter
+        rows leave entries the caller masks."""
+        max_len = max(max_len, self.max_len)
+        if not self.is_initialized:  # nothing written yet: the first write sizes the batch
+            self.max_len = max_len
+            return
+        old_k, old_v, n = self.k_buf, self.v_buf, self.length
+        added = source.k_buf.shape[0] if source is not None else count
+        b, h, _, d = old_k.shape
+        self.k_buf = old_k.new_zeros(b + added, h, max_len, d)
+        self.v_buf = old_v.new_zeros(b + added, h, max_len, old_v.shape[-1])
+        self.k_buf[:b, :, :n] = old_k[:, :, :n]
+        self.v_buf[:b, :, :n] = old_v[:, :, :n]
+        if source is not None:
+            m = source.length
+            self.k_buf[b:, :, :m] = source.k_buf[:, :, :m]
+            self.v_buf[b:, :, :m] = source.v_buf[:, :, :m]
+            n = max(n, m)
+        self.max_len = max_len
+        self._set_length(n)
+
     def reset(self) -> None:
         self._set_length(0)
 
@@ -165,6 +188,22 @@ class KVCache(Cache):
         uniform = (torch.cat([k_ptrs, v_ptrs]), like) if ok else None
         self._buffers = ((len(self.layers), like, last), (k_ptrs, v_ptrs, uniform))
         return self._buffers[1]
+
+    def add_rows(self, source: "KVCache | int", max_len: int = 0) -> None:
+        """Append batch rows (sequences joining a running batch): a cache of theirs, made by the same
+        model, or that many empty rows; every buffer grows to the longer `max_len`."""
+        if isinstance(source, KVCache):
+            if len(source.layers) != len(self.layers):
+                raise ValueError("the caches were made by different models")
+            for layer, other in zip(self.layers, source.layers):
+                layer.add_rows(source.max_len, other)
+            self.max_len = max(self.max_len, source.max_len)
+        else:
+            for layer in self.layers:
+                layer.add_rows(max_len, count=source)
+            self.max_len = max(self.max_len, max_len)
+        self._buffers = None
+        self.layer_class_to_replicate = lambda: PreallocLayer(self.max_len)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished sequences leave the batch)."""

@@ -103,10 +103,12 @@ class Draft(NamedTuple):
 class _Row:
     """One sequence of a (possibly batched) decode."""
 
-    index: int  # position in the caller's list of prompts
+    index: int  # the caller's key: position in its list of prompts, or a `ContinuousBatch` key
     n_ctx: int  # this row's entries in the target cache (the root is not in it yet)
     root: int  # the last emitted token: the root of the next tree
     stats: GenerationStats
+    max_new: int  # this row's token budget
+    t0: float  # when its prefill began
     # head inputs not yet in the head's cache: feature chunks (joined only when the head drafts: plain
     # steps would copy the whole backlog each) and their next tokens
     pending: tuple[list[torch.Tensor], list[int]] | None = None
@@ -117,38 +119,44 @@ class _Row:
 
 
 class _Run:
-    """What one `_decode` call shares across its rounds: the caches, the budgets, the clock."""
+    """What one decode shares across its rounds: the caches (one row per sequence; rows leave when
+    done and, in a `ContinuousBatch`, join at round boundaries), the end tokens, the clock."""
 
-    def __init__(self, engine: "Engine", prompts: list[list[int]], max_new_tokens: int,
-                 eos_token_ids: list[int] | None, eagle: bool, feature_sink: list[list[torch.Tensor]] | None):
-        self.prompts, self.max_new_tokens, self.eagle, self.feature_sink = prompts, max_new_tokens, eagle, feature_sink
+    def __init__(self, engines: "Sequence[Engine]", eos_token_ids: list[int] | None, eagle: bool,
+                 feature_sink: list[list[torch.Tensor]] | None = None):
+        engine = engines[0]
+        self.eagle, self.feature_sink = eagle, feature_sink
         self.eos = set(eos_token_ids or [])
         self.max_context = engine.max_context
-        dyn, tree = engine.dynamic, engine.tree
-        depth = dyn.depth if dyn else tree.max_depth
-        max_nodes = (dyn.total_tokens or dyn.max_nodes) if dyn else tree.n
-        self.lookup = engine.lookup if eagle and len(prompts) == 1 else 0
-        self.depth, max_nodes = max(depth, self.lookup), max_nodes + self.lookup
-        # + depth + 1: a row may overshoot its budget by one accepted path before it leaves the batch,
-        # and the shared write offset (the longest row) keeps that length for the rows still running
-        longest = max(len(ids) for ids in prompts)
-        self.cache = KVCache(min(longest + max_new_tokens, engine.max_context) + self.depth + 1 + max_nodes)
-        self.head_cache = KVCache(self.cache.max_len) if eagle else None
+        # prompt-lookup grafts need one sequence: they run while a single row decodes
+        self.lookup = engine.lookup if eagle else 0
+        reach = [e.tree_reach() for e in engines]
+        self.depth = max([d for d, _ in reach] + [self.lookup])
+        self.max_nodes = max(n for _, n in reach) + self.lookup
+        self.cache: KVCache | None = None  # made by the first prefill, grown by later ones
+        self.head_cache: KVCache | None = None
         self.aux = eagle or (feature_sink is not None and bool(engine.sink_layers))
         self.clock, self.device = engine.clock, engine.device
         self.t0 = engine.clock()
 
+    def capacity(self, rows: "Sequence[_Row]") -> int:
+        """Cache entries the rows can need: + depth + 1, because a row may overshoot its budget by
+        one accepted path before it leaves, and the shared write offset (the longest row) keeps
+        that length for the rows still running; + a tree's nodes."""
+        longest = max(min(r.n_ctx + r.max_new, self.max_context) for r in rows)
+        return longest + self.depth + 1 + self.max_nodes
+
     def emit(self, r: "_Row", new: list[int]) -> tuple[int, list[int], str | None]:
         """The row's new tokens, cut at its budget or its first end-of-sequence token."""
-        if r.emitted + len(new) >= self.max_new_tokens:  # an EOS past the budget does not count
-            new, r.reason = new[: self.max_new_tokens - r.emitted], "length"
+        if r.emitted + len(new) >= r.max_new:  # an EOS past the budget does not count
+            new, r.reason = new[: r.max_new - r.emitted], "length"
         for i, t in enumerate(new):
             if t in self.eos:
                 new, r.reason = new[: i + 1], "eos"
                 break
         r.emitted += len(new)
         r.stats.new_tokens = r.emitted
-        r.stats.time_s = self.clock() - self.t0
+        r.stats.time_s = self.clock() - r.t0
         return r.index, new, r.reason
 
     def retire(self, rows: list["_Row"]) -> tuple[list["_Row"], list[tuple[int, list[int], str | None]]]:
@@ -243,9 +251,14 @@ class Engine:
             sampled_tree = self.policy.sampled_tree()
         self.sampled_tree = sampled_tree
         # made here, so that a bad sampled_tree fails now and not at the first sampled request
-        self._sampled = None if sampled_tree is None else type(self)(
-            model, self.head, tree=sampled_tree, draft_sampling=draft_sampling, sink_layers=self.sink_layers,
-            sampled_tree=None, backend=self.backend, policy=self.policy.fresh())
+        self._sampled = None if sampled_tree is None else self.with_tree(sampled_tree)
+
+    def with_tree(self, tree: str | list[list[int]] | DynamicTree) -> "Engine":
+        """An engine on the same model, head and backend that drafts `tree` at every temperature,
+        with a policy of its own."""
+        return type(self)(self.model, self.head, tree=tree, draft_sampling=self.draft_sampling,
+                          sink_layers=self.sink_layers, sampled_tree=None, backend=self.backend,
+                          policy=self.policy.fresh())
 
     # -- helpers ----------------------------------------------------------------------------------
     def clock(self) -> float:
@@ -380,8 +393,8 @@ class Engine:
             gen.manual_seed(seed if seed is not None else torch.seed())
         if eagle:
             self.policy.start()
-        run = _Run(self, prompts, max_new_tokens, eos_token_ids, eagle, feature_sink)
-        rows = self._prefill(run, sp, gen, stats)
+        run = _Run([self], eos_token_ids, eagle, feature_sink)
+        rows = self._prefill(run, prompts, list(range(len(prompts))), [max_new_tokens] * len(prompts), sp, gen, stats)
         yield [run.emit(r, [r.root]) for r in rows]
         while True:
             rows, events = run.retire(rows)
@@ -389,33 +402,52 @@ class Engine:
                 yield events
             if not rows:
                 break
-            t_draft = self.clock()
-            # near the context limit the deepest tree node would overflow the positions: go plain
-            drafting = eagle and self.policy.draft_round(
-                len(rows), room=all(r.n_ctx + run.depth < self.max_context for r in rows))
-            if drafting:
-                draft = self._draft(rows, run.head_cache, sp, gen, t_draft)
-                if run.lookup:
-                    draft = self._graft(draft, rows[0].history, run.lookup, t_draft)
-            else:
-                draft = Draft([[r.root] for r in rows], [[None] for _ in rows], self.plain)
-            t_verify = self.clock()
-            paths, bonuses, feats = self._verify(rows, draft, run.cache, sp, gen, run.aux)
-            t_done = self.clock()
-            if eagle:
-                self.policy.observe_verify(len(rows), draft.tree.n, t_done - t_verify, drafting)
-            events = [self._update(run, r, draft, b, paths[b], bonuses[b], feats[b], drafting, t_verify - t_draft,
-                                   t_done - t_verify) for b, r in enumerate(rows)]
-            if eagle:  # the whole round, its bookkeeping included: a drafted round's is dearer
-                self.policy.observe_round(len(paths[0]) + 1, draft, self.clock() - t_draft, drafting)
-            yield events
+            yield self._round(run, rows, sp, gen)
 
-    def _prefill(self, run: "_Run", sp: SamplingParams, gen: torch.Generator | None,
-                 stats: list[GenerationStats]) -> list["_Row"]:
-        """Every prompt (right-padded) through the target: the cache, features f_1..f_N, and each
-        row's first new token (the root of its first tree)."""
-        prompts, lens = run.prompts, [len(ids) for ids in run.prompts]
+    def _round(self, run: "_Run", rows: list["_Row"], sp: SamplingParams, gen: torch.Generator | None,
+               may_draft: bool = True) -> list[tuple[int, list[int], str | None]]:
+        """One round for every row: draft (unless the policy or `may_draft` says a plain step),
+        verify in one target forward, update. Returns each row's event."""
+        t_draft = self.clock()
+        plan = run.eagle and may_draft  # the policy sees only the rounds it plans
+        # near the context limit the deepest tree node would overflow the positions: go plain
+        drafting = plan and self.policy.draft_round(
+            len(rows), room=all(r.n_ctx + run.depth < self.max_context for r in rows))
+        if drafting:
+            draft = self._draft(rows, run.head_cache, sp, gen, t_draft)
+            if run.lookup and len(rows) == 1:
+                draft = self._graft(draft, rows[0].history, run.lookup, t_draft)
+        else:
+            draft = Draft([[r.root] for r in rows], [[None] for _ in rows], self.plain)
+        t_verify = self.clock()
+        paths, bonuses, feats = self._verify(rows, draft, run.cache, sp, gen, run.aux)
+        t_done = self.clock()
+        if plan:
+            self.policy.observe_verify(len(rows), draft.tree.n, t_done - t_verify, drafting)
+        events = [self._update(run, r, draft, b, paths[b], bonuses[b], feats[b], drafting, t_verify - t_draft,
+                               t_done - t_verify) for b, r in enumerate(rows)]
+        if plan:  # the whole round, its bookkeeping included: a drafted round's is dearer
+            self.policy.observe_round(len(paths[0]) + 1, draft, self.clock() - t_draft, drafting)
+        return events
+
+    def tree_reach(self) -> tuple[int, int]:
+        """The deepest node and the most nodes (beyond the root) a round of this engine drafts."""
+        dyn = self.dynamic
+        if dyn is None:
+            return self.tree.max_depth, self.tree.n
+        return dyn.depth, dyn.total_tokens or dyn.max_nodes
+
+    def _prefill(self, run: "_Run", prompts: list[list[int]], keys: list[int], budgets: list[int],
+                 sp: SamplingParams, gen: torch.Generator | None, stats: list[GenerationStats]) -> list["_Row"]:
+        """Every prompt (right-padded) through the target: its cache rows, features f_1..f_N, and
+        each row's first new token (the root of its first tree). The first prefill makes the run's
+        caches; a later one (rows joining a running batch) appends its rows to them."""
+        t0 = self.clock()
+        lens = [len(ids) for ids in prompts]
         B, L = len(prompts), max(lens)
+        rows = [_Row(key, n, 0, st, budget, t0) for key, n, budget, st in zip(keys, lens, budgets, stats)]
+        joining = run.cache is not None
+        cache = KVCache(run.capacity(rows))
         x = torch.tensor([ids + [0] * (L - len(ids)) for ids in prompts], device=self.device)
         pos = torch.arange(L, device=self.device).expand(B, L)
         mask = None
@@ -423,19 +455,26 @@ class Engine:
             causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
             mask = float_mask(causal[None] & (pos[:, None, :] < torch.tensor(lens, device=self.device)[:, None, None]),
                               self.dtype)
-        feats = self._forward(x, pos, run.cache, mask, aux=run.aux)
+        feats = self._forward(x, pos, cache, mask, aux=run.aux)
         last = self.lm_head(torch.stack([feats[b, n - 1, : self.hidden_size] for b, n in enumerate(lens)]))
-        rows = [_Row(b, n, self._choose(last[b], sp, gen), stats[b]) for b, n in enumerate(lens)]
-        for r in rows:
+        for b, r in enumerate(rows):
+            r.root = self._choose(last[b], sp, gen)
             if run.eagle:  # head inputs (f_j, t_{j+1}) not yet in the head's cache
-                r.pending = ([feats[r.index, :r.n_ctx]], prompts[r.index][1:] + [r.root])
+                r.pending = ([feats[b, :r.n_ctx]], prompts[b][1:] + [r.root])
             if run.lookup:
-                r.history = prompts[r.index] + [r.root]
-            r.stats.prefill_time_s = self.clock() - run.t0
+                r.history = prompts[b] + [r.root]
+            r.stats.prefill_time_s = self.clock() - t0
             if run.feature_sink is not None:
-                run.feature_sink[r.index].append(feats[r.index, :r.n_ctx])
-        if run.eagle:
-            self.head.reset_context()
+                run.feature_sink[r.index].append(feats[b, :r.n_ctx])
+        if joining:
+            run.cache.add_rows(cache)
+            if run.head_cache is not None:
+                run.head_cache.add_rows(B, run.cache.max_len)
+        else:
+            run.cache = cache
+            if run.eagle:
+                run.head_cache = KVCache(cache.max_len)
+                self.head.reset_context()
         return rows
 
     def _update(self, run: "_Run", r: "_Row", draft: "Draft", b: int, path: list[int], bonus: int,
@@ -785,3 +824,88 @@ class Engine:
                 stats.alpha_accepted.append(0)
             stats.alpha_total[depth] += 1
             stats.alpha_accepted[depth] += int(depth < len(path))
+
+
+class ContinuousBatch:
+    """Sequences that decode together and join or leave at round boundaries (continuous batching):
+    each `step` is one target forward for every running sequence (and one prefill for those joining),
+    so several requests share each pass over the weights.
+
+    One `SamplingParams` and one random stream serve every row; each row keeps its own budget and
+    stops at its own end token. A single running row drafts as `engine` does (its dynamic tree,
+    prompt-lookup grafts, policy); several draft with `batch`, an engine on the same model and head
+    with a static tree, or take plain batched steps where `batch` is None. Every row's output is
+    its own decoding's: greedy rows equal their vanilla decoding; sampled rows follow the target's
+    law (their draws depend on the batch they shared, so a seed reproduces a row decoded alone)."""
+
+    def __init__(self, engine: Engine, sampling: SamplingParams | None = None, method: str = "eagle",
+                 eos_token_ids: list[int] | None = None, batch: Engine | None = None, seed: int | None = None):
+        self.sp = sampling or SamplingParams()
+        if method == "eagle" and not self.sp.greedy and engine._sampled is not None:
+            engine = engine._sampled
+        if batch is not None and (batch.dynamic is not None or batch.model is not engine.model
+                                  or batch.head is not engine.head):
+            raise EaglespecError("a batch engine needs a static tree and the engine's model and head")
+        self.engine, self.batch, self.method, self.eos = engine, batch, method, eos_token_ids
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed not in SEEDS):
+            raise EaglespecError(f"seed must be an integer in {SEEDS.start}..{SEEDS.stop - 1}, got {seed!r}")
+        self.gen = None
+        if not self.sp.greedy:
+            self.gen = torch.Generator(device=engine.device)
+            self.gen.manual_seed(seed if seed is not None else torch.seed())
+        self.eagle = method == "eagle" and engine.head is not None
+        self.run: _Run | None = None
+        self.rows: list[_Row] = []
+        self.joining: list[tuple[int, list[int], int, GenerationStats]] = []
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.joining)
+
+    def add(self, key: int, input_ids: list[int], max_new_tokens: int,
+            stats: GenerationStats | None = None) -> GenerationStats:
+        """Queue a sequence to join at the next step (its events carry `key`); its statistics."""
+        self.engine.check_request(input_ids, max_new_tokens, self.method)
+        if any(key == k for k, *_ in self.joining) or any(key == r.index for r in self.rows):
+            raise EaglespecError(f"key {key} is already in the batch")
+        stats = stats if stats is not None else GenerationStats()
+        self.joining.append((key, list(input_ids), max_new_tokens, stats))
+        return stats
+
+    def cancel(self, key: int) -> None:
+        """Stop decoding a sequence (it leaves at the next step, with no further event)."""
+        self.joining = [j for j in self.joining if j[0] != key]
+        for r in self.rows:
+            if r.index == key and r.reason is None:
+                r.reason = "cancelled"
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, list[int], str | None]]:
+        """Admit the joining sequences, then one round for all: (key, new tokens, finish reason or
+        None) events, at most one per sequence and round."""
+        events: list[tuple[int, list[int], str | None]] = []
+        if self.joining:
+            if self.run is None:
+                engines = [self.engine] + ([self.batch] if self.batch is not None else [])
+                self.run = _Run(engines, self.eos, self.eagle)
+                if self.eagle:
+                    for e in engines:
+                        e.policy.start()
+            keys, prompts, budgets, stats = zip(*self.joining)
+            self.joining = []
+            new = self.engine._prefill(self.run, list(prompts), list(keys), list(budgets), self.sp, self.gen,
+                                       list(stats))
+            events += [self.run.emit(r, [r.root]) for r in new]
+            self.rows += new
+        if self.run is None:
+            return events
+        self.rows, ended = self.run.retire(self.rows)
+        events += ended
+        if self.rows:
+            one = len(self.rows) == 1
+            eng = self.engine if one or self.batch is None else self.batch
+            events += eng._round(self.run, self.rows, self.sp, self.gen, may_draft=one or self.batch is not None)
+            self.rows, ended = self.run.retire(self.rows)
+            events += ended
+        if not self.rows:
+            self.run = None  # the next sequence starts fresh caches
+        return events
