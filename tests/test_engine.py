@@ -930,6 +930,88 @@ def test_batch_sampling_law_of_first_three_tokens():
                law, V, 3000)
 
 
+# -- input modes (paper Fig. 8): what the head reads while drafting --------------------------------
+MODES = ["feature+shifted_token", "feature+unshifted_token", "feature", "token"]
+
+
+def mode_head(model, mode: str) -> EagleDraftHead:
+    head = EagleDraftHead(model.config, input_mode=mode).bind(model)
+    head.load_state_dict(good_head(model).state_dict(), strict=False)
+    return head.eval()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tree", ["paper", "dynamic:3,2,6"])
+def test_each_input_mode_drafts_from_what_it_says_and_stays_lossless(mode, tree):
+    """The committed pairs after the prefill, and every tree level: f_j with t_{j+1} (EAGLE: a node's
+    own token beside its parent's feature), t_j (the parent's token), or one input zeroed; checked on
+    the tokens and tensors the head reads. Greedy output is vanilla's in every mode."""
+    model = tiny_target("llama")
+    head = mode_head(model, mode)
+    H, emb = model.config.hidden_size, model.get_input_embeddings()
+    calls: list[torch.Tensor] = []  # the token ids of each head call
+    forward = head.forward
+    head.forward = lambda f, tokens, *a, **k: calls.append(tokens.clone()) or forward(f, tokens, *a, **k)
+    fc_in: list[torch.Tensor] = []
+    head.fc.register_forward_pre_hook(lambda mod, args: fc_in.append(args[0].detach().clone()))
+    ids = PROMPTS[2]
+    eng = Engine(model, head, tree=tree)
+    out = eng.generate(ids, 30)
+    assert out.token_ids == hf_greedy(model, ids, 30)
+    root = out.token_ids[0]
+    with torch.no_grad():
+        f = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    unshifted = mode == "feature+unshifted_token"
+    want = ids if unshifted else ids[1:] + [root]
+    assert calls[0][0].tolist() == want  # the prompt's pairs
+    torch.testing.assert_close(fc_in[0][0, :, :H], torch.zeros_like(f) if mode == "token" else f,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fc_in[0][0, :, H:], torch.zeros_like(f) if mode == "feature" else emb(torch.tensor(want)),
+                               atol=1e-6, rtol=1e-6)
+    # the first round's second level: each depth-1 node reads its own token, or (unshifted) the root
+    level1 = calls[1][0].tolist()
+    assert (set(level1) == {root}) == unshifted
+    assert max(out.stats.accept_lengths) > 1 or mode == "feature"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_input_mode_drafts_in_c_too(monkeypatch, mode):
+    """The C draft step reads whichever token the loop passes (t_j for the unshifted ablation), and
+    a packed ablation head has its unused fc columns zeroed: every mode runs there (so speeds
+    compare), its output vanilla's."""
+    from eaglespec.cpu import kernels
+    from eaglespec.cpu.quant import pack_target
+
+    if not kernels.draft_available():
+        pytest.skip("eaglespec's AVX-512 kernels are not built here")
+    model = tiny_target("llama")
+    ids = PROMPTS[0]
+    head = mode_head(model, mode)
+    head.set_draft_vocab(torch.arange(model.config.vocab_size))  # the C step drafts over a draft vocabulary
+    with torch.no_grad():  # both halves of fc matter
+        head.fc.weight[:, : model.config.hidden_size].normal_(0, 0.01)
+    pack_target(model)
+    eng = Engine(model, head, tree="paper")
+    fed: list[list[int]] = []
+    step = eng.head.accel.draft_step
+    monkeypatch.setattr(eng.head.accel, "draft_step",
+                        lambda f, tokens, *a, **kw: fed.append(list(tokens)) or step(f, tokens, *a, **kw))
+    out = eng.generate(ids, 30)
+    assert out.token_ids == eng.generate(ids, 30, method="vanilla").token_ids
+    assert eng.head.accel.step_spec() is not None  # the levels ran in C
+    H = model.config.hidden_size
+    x = torch.randn(3, 2 * H)
+    with torch.no_grad():  # the packed fc ignores the input the mode zeroes, as the C step needs
+        if mode == "feature":
+            torch.testing.assert_close(head.fc(x), head.fc(torch.cat([x[:, :H], torch.zeros(3, H)], -1)))
+        if mode == "token":
+            torch.testing.assert_close(head.fc(x), head.fc(torch.cat([torch.zeros(3, H), x[:, H:]], -1)))
+    unshifted = mode == "feature+unshifted_token"
+    assert fed[0] == (ids if unshifted else ids[1:] + [out.token_ids[0]])  # the prompt's pairs
+    assert (set(fed[1]) == {out.token_ids[0]}) == unshifted  # level 1: the root, or the nodes' own tokens
+    assert max(out.stats.accept_lengths) > 1 or mode == "feature"
+
+
 # -- continuous batching: sequences join and leave a running batch at round boundaries ---------
 def run_continuous(cb: ContinuousBatch, arrivals: dict[int, list[tuple[int, list[int], int]]],
                    cancel: dict[int, int] | None = None) -> tuple[dict[int, list[int]], dict[int, str], list[int]]:

@@ -163,6 +163,22 @@ def test_shipped_head_auto_tree_and_batches_equal_vanilla(smol):
     batch = Engine(model, head, tree="paper").generate_batch(prompts, 96)
     assert [o.token_ids for o in batch] == refs
     assert len({tuple(o.stats.accept_lengths) for o in batch}) == 3  # rows advanced differently
+    # continuous batching, as the server runs it: rows join a running batch and leave it
+    from eaglespec.spec.engine import ContinuousBatch
+
+    for batch_tree in (None, "chain:1"):
+        cb = ContinuousBatch(lookup, batch=None if batch_tree is None else lookup.with_tree(batch_tree))
+        tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        cb.add(0, prompts[0], 96)
+        step = 0
+        while len(cb) or step <= 6:
+            joins = {2: 1, 6: 2}  # step -> the row that joins before it
+            if step in joins:
+                cb.add(joins[step], prompts[joins[step]], 96)
+            for key, new, _ in cb.step():
+                tokens[key] += new
+            step += 1
+        assert [tokens[k] for k in range(3)] == refs, batch_tree
 
 
 @pytest.mark.parametrize("quantize", ["int4", "bf16", "bf16-dot", "int4-dot", "int4-q8"])

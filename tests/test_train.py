@@ -728,3 +728,34 @@ def test_head_metadata_has_no_machine_paths():
     assert _portable(cfg) == {"features": "~/f/a,b", "out": "/tmp/x", "init": "", "lr": 1e-4}
     shipped = Path(__file__).parents[1] / "src/eaglespec/heads/smollm2-135m-instruct/training.json"
     assert "/root/" not in shipped.read_text() and "/work/" not in shipped.read_text()
+
+
+def fc_inputs(head: EagleDraftHead) -> list[torch.Tensor]:
+    """What the head's FC reads, call by call: cat(feature half, embedding half)."""
+    seen: list[torch.Tensor] = []
+    head.fc.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["feature+shifted_token", "feature+unshifted_token", "feature", "token"])
+def test_each_input_mode_trains_on_what_it_says(head_and_batch, mode):
+    """Paper Fig. 8: the loss feeds EAGLE f_j with t_{j+1}; the ablations f_j with t_j, f_j alone,
+    t_{j+1} alone. Checked on the inputs the head's FC sees, at the unrolled step too."""
+    model, _, ids, feats, mask = head_and_batch
+    torch.manual_seed(0)
+    head = EagleDraftHead(model.config, input_mode=mode).bind(model)
+    seen = fc_inputs(head)
+    eagle_loss(head, ids, feats, mask, noise=0.0, ce_weight=0.1, unroll=2, unroll_fraction=1.0)
+    H, emb = 64, model.get_input_embeddings()
+    f_half, e_half = seen[0][..., :H], seen[0][..., H:]
+    want_f = torch.zeros_like(feats[:, :-1]) if mode == "token" else feats[:, :-1]
+    shifted = ids[:, 1:] if mode != "feature+unshifted_token" else ids[:, :-1]
+    want_e = torch.zeros_like(f_half) if mode == "feature" else emb(shifted)
+    torch.testing.assert_close(f_half, want_f)
+    torch.testing.assert_close(e_half, want_e)
+    # step 2 reads the head's own step-1 prediction with the next token along (t_{j+2}, or t_{j+1})
+    step2 = ids[:, 2:] if mode != "feature+unshifted_token" else ids[:, 1:-1]
+    if mode != "feature":
+        torch.testing.assert_close(seen[1][:, :-1, H:], emb(step2))
+    with pytest.raises(EaglespecError, match="input_mode"):
+        TrainConfig(features="f", out="o", input_mode="features").validate()

@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 from .errors import EaglespecError
-from .platform import unsupported_transformers
+from .platform import default_head, unsupported_transformers
 
-SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
 QUANTIZERS = ("int8", "int4", "bf16", "bf16-dot", "int4-dot", "int4-q8")  # quant.QUANTIZERS, named here so that --help needs no torch
 
 
@@ -30,11 +29,6 @@ def check_device(device: str) -> None:
         raise EaglespecError(f"--device must be cpu or cuda[:N], got {device!r}")
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise EaglespecError(f"--device {device} asked for, but CUDA has no such device here")
-
-
-def default_head(model: str) -> str | None:
-    path = SHIPPED_HEADS / model.lower()
-    return str(path) if (path / "config.json").is_file() else None
 
 
 PACK_HELP = ("fp32 weights pre-packed (CPU) for eaglespec's AVX-512 / AVX2 kernel, or oneDNN's without them: the "
@@ -180,10 +174,12 @@ def _add_fields(p: argparse.ArgumentParser, defaults: object, skip: tuple[str, .
     for f in fields(defaults):  # type: ignore[arg-type]
         if f.name not in skip:
             val = getattr(defaults, f.name)
+            extra = dict(f.metadata)  # choices, help
             if isinstance(val, bool):  # type=bool would read "--x False" as True
-                p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=val)
+                p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=val,
+                               **extra)
             else:
-                p.add_argument("--" + f.name.replace("_", "-"), type=type(val), default=val)
+                p.add_argument("--" + f.name.replace("_", "-"), type=type(val), default=val, **extra)
 
 
 def _config_from(a: argparse.Namespace, cls: type):

@@ -73,3 +73,12 @@ def unsupported_transformers(version: str | None = None) -> str | None:
         return (f"transformers {version} is not supported: eaglespec needs >= {lo[0]}.{lo[1]} and < {hi[0]}.{hi[1]} "
                 f"(pip install 'transformers>={lo[0]}.{lo[1]},<{hi[0]}'); run other engines in their own environment")
     return None
+
+
+SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
+
+
+def default_head(model: str) -> str | None:
+    """The head shipped in the package for a registered model, or None."""
+    path = SHIPPED_HEADS / model.lower()
+    return str(path) if (path / "config.json").is_file() else None

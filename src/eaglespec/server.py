@@ -263,8 +263,9 @@ class EagleServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], engine: Engine, tok: PreTrainedTokenizerBase, model_id: str,
                  eos: list[int], method: str = "eagle", default_max_tokens: int = 1024,
                  api_key: str | None = None, batch: Engine | None = None, max_batch: int = 8,
-                 max_queue: int = 64) -> None:
+                 max_queue: int = 64, log_requests: bool = True) -> None:
         super().__init__(address, Handler)
+        self.log_requests = log_requests
         self.engine, self.tok, self.model_id, self.eos = engine, tok, model_id, eos
         self.method, self.default_max_tokens, self.api_key = method, default_max_tokens, api_key
         self.max_tokens_limit = engine.max_context  # no answer can be longer than the context
@@ -288,6 +289,10 @@ class Handler(BaseHTTPRequestHandler):
     server: EagleServer
     protocol_version = "HTTP/1.1"
     timeout = SOCKET_TIMEOUT_S  # on every read and write of this connection
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        if self.server.log_requests:
+            super().log_request(code, size)
 
     def _authorised(self) -> bool:
         key = self.server.api_key
@@ -438,13 +443,13 @@ class Handler(BaseHTTPRequestHandler):
 def serve(engine: Engine, tok: PreTrainedTokenizerBase, model_id: str, eos: list[int], host: str = "127.0.0.1",
           port: int = 8000, method: str = "eagle", default_max_tokens: int = 1024, warm_up: bool = True,
           api_key: str | None = None, batch_tree: str | None = None, max_batch: int = 8,
-          max_queue: int = 64) -> EagleServer:
+          max_queue: int = 64, log_requests: bool = True) -> EagleServer:
     """An `EagleServer` bound to host:port (port 0: any free one), not yet serving: call
     ``serve_forever()`` on it (in a thread, for tests) and ``shutdown()`` then ``server_close()`` to
     stop. Up to `max_batch` requests decode together, drafting `batch_tree` (a static tree; None:
     plain batched steps) while several run; `max_queue` more may wait. `warm_up` decodes a few
     tokens first, so that the first client does not wait for `--tree auto`'s cost curve (measured
-    once per machine) or for the kernels' first calls."""
+    once per machine) or for the kernels' first calls. `log_requests`: one line per request on stderr."""
     if default_max_tokens > engine.max_context:
         default_max_tokens = engine.max_context
     batch = None
@@ -453,7 +458,7 @@ def serve(engine: Engine, tok: PreTrainedTokenizerBase, model_id: str, eos: list
         if batch.dynamic is not None:
             raise EaglespecError(f"the batch tree must be static (paper, chain:K, a list of paths), got {batch_tree!r}")
     srv = EagleServer((host, port), engine, tok, model_id, eos, method, default_max_tokens, api_key, batch,
-                      max_batch, max_queue)
+                      max_batch, max_queue, log_requests)
     if warm_up:  # before serve_forever: no request can reach the engine yet
         engine.generate(tok("Hello")["input_ids"] or [0], 4, SamplingParams(), method, eos_token_ids=eos)
     if api_key is None and not _loopback(host):

@@ -48,7 +48,8 @@ class PackedHead:
 
     def step_spec(self) -> kernels.HeadSpec | None:
         """The head as `kernels.draft_step` runs it, or None: one-call layers (fp32, eaglespec's
-        kernels for fc, fuse and the draft LM head), EAGLE's input, a static rope."""
+        kernels for fc, fuse and the draft LM head), a static rope. Every input mode: the caller
+        passes the token it reads, and `pack_head` zeroed an ablation's unused fc columns."""
         head = self.head
         if self._step is None:
             self._step = False
@@ -58,7 +59,7 @@ class PackedHead:
             emb = head.embed.weight if isinstance(head.embed, nn.Embedding) else None
             layers = [getattr(layer, "_one_call", None) for layer in head.layers]
             if (self.lean and kernels.draft_available() and None not in specs and None not in layers
-                    and head.input_mode == "feature+shifted_token" and emb is not None
+                    and emb is not None
                     and emb.dtype == torch.float32 and emb.is_contiguous()
                     and getattr(head.rotary, "rope_type", "default") in STATIC_ROPE):
                 self._step = kernels.HeadSpec(specs[0], specs[2] if head.fuse is not None else None, specs[1],
@@ -135,6 +136,13 @@ def pack_head(head: EagleDraftHead, kind: str = "packed") -> EagleDraftHead:
         fits = lambda m: m.weight.dtype == torch.float32
     else:
         return head
+    if head.input_mode in ("feature", "token"):
+        # an ablation zeroes one input; zeroing its fc columns gives the same outputs (every product
+        # with it is an exact zero), so the packed fc and the C draft step run every input mode
+        H = head.hidden_size
+        with torch.no_grad():
+            unused = slice(H, 2 * H) if head.input_mode == "feature" else slice(0, H)
+            head.fc.weight[:, unused].zero_()
     lean = False
     if kernels.available():  # fused q/k/v and gate/up, fast norms, lean (one-call) layers, as the target's
         eager_fast_paths(head, lambda m: make(m) if fits(m) else m)

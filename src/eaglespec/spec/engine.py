@@ -301,6 +301,16 @@ class Engine:
             return self.backend.argmax(logits)
         return sample_token(target_probs(logits, sp), gen, self.backend)
 
+    def _fed(self, seq: list[int]) -> list[int]:
+        """The tokens the head reads beside the features of seq[:-1]: each position's next token
+        (EAGLE's shift), or its own for the unshifted ablation (`EagleDraftHead.token_offset`)."""
+        return seq[1:] if self.head.token_offset else seq[:-1]
+
+    def _node_token(self, own: int, parent: int) -> int:
+        """What the head reads beside a tree node's parent feature: the node's own token (t_{j+1}),
+        or its parent's (t_j) for the unshifted ablation."""
+        return own if self.head.token_offset else parent
+
     # -- public API -------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, input_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
@@ -460,7 +470,7 @@ class Engine:
         for b, r in enumerate(rows):
             r.root = self._choose(last[b], sp, gen)
             if run.eagle:  # head inputs (f_j, t_{j+1}) not yet in the head's cache
-                r.pending = ([feats[b, :r.n_ctx]], prompts[b][1:] + [r.root])
+                r.pending = ([feats[b, :r.n_ctx]], self._fed(prompts[b] + [r.root]))
             if run.lookup:
                 r.history = prompts[b] + [r.root]
             r.stats.prefill_time_s = self.clock() - t0
@@ -489,7 +499,8 @@ class Engine:
         if run.feature_sink is not None:
             run.feature_sink[r.index].append(f)
         if run.eagle:
-            r.pending = ([f], accepted) if drafted else (r.pending[0] + [f], r.pending[1] + accepted)
+            fed = self._fed([r.root] + accepted)
+            r.pending = ([f], fed) if drafted else (r.pending[0] + [f], r.pending[1] + fed)
         r.root = bonus
         if run.eagle and not drafted:
             r.stats.plain_steps += 1
@@ -600,7 +611,8 @@ class Engine:
                 f, top = root_f, root_level
             else:
                 parents_f = torch.cat([node_feat[tree.parent[i]] for i in nodes], dim=1)
-                f, top = self._head_level(parents_f, [[row[i] for i in nodes] for row in node_tokens], lens, d,
+                fed = [[self._node_token(row[i], row[tree.parent[i]]) for i in nodes] for row in node_tokens]
+                f, top = self._head_level(parents_f, fed, lens, d,
                                           tree.draft_masks[d], head_cache, tree.draft_seen[d] if one else None,
                                           k if one else 0, temp, sampled)
                 for j, i in enumerate(nodes):
@@ -625,18 +637,19 @@ class Engine:
                             node_q[b][c] = sibling_q(qs[row], picks[row][:r], picks[row][r])
         return Draft(node_tokens, node_q, tree)
 
-    def _expand(self, frontier: list[int], toks: list[int], parents: list[int], slots: list[int],
+    def _expand(self, frontier: list[int], toks: list[int], root: int, parents: list[int], slots: list[int],
                 feat: dict[int, torch.Tensor], lens: list[int], depth: int, head_cache: KVCache, k: int = 0,
                 temp: float = 1.0, law: bool = False) -> tuple[torch.Tensor, DraftLevel | None]:
-        """One head forward over the frontier candidates of a dynamic tree; each sees its ancestors'
-        head-cache entries (`slots` lists the candidates with an entry, in cache order). With k > 0,
-        maybe what `_level_top` asks of them too (`_head_level`)."""
+        """One head forward over the frontier candidates of a dynamic tree (`toks`, under `root`);
+        each sees its ancestors' head-cache entries (`slots` lists the candidates with an entry, in
+        cache order). With k > 0, maybe what `_level_top` asks of them too (`_head_level`)."""
         slots += frontier
         col = {c: j for j, c in enumerate(slots)}
         seen = [sorted(col[j] for j in lineage(i, parents)) for i in frontier]  # head-cache entries, ascending
         allowed = visible(seen, range(len(slots)))
         f, top = self._head_level(torch.cat([feat[parents[i]] for i in frontier], dim=1),
-                                  [[toks[i] for i in frontier]], lens, depth, allowed, head_cache, seen, k, temp, law)
+                                  [[self._node_token(toks[i], toks[parents[i]] if parents[i] >= 0 else root)
+                                    for i in frontier]], lens, depth, allowed, head_cache, seen, k, temp, law)
         for r, i in enumerate(frontier):
             feat[i] = f[:, r : r + 1]
         return f, top
@@ -666,7 +679,7 @@ class Engine:
                 frontier = sorted(level, key=lambda i: (-scores[i], i))[:k]
                 if not self.policy.another_level(scores, parents, frontier, t_round):
                     break
-                f, top = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache, k, temp)
+                f, top = self._expand(frontier, toks, root, parents, slots, feat, lens, d, head_cache, k, temp)
             if top is not None:
                 vals, ids = top.logprobs, top.ids
             else:
@@ -714,7 +727,7 @@ class Engine:
                 frontier = sorted(range(level_start, len(toks)), key=lambda i: (-scores[i], i))[:k]
                 if not frontier or not self.policy.another_level(scores, parents, frontier, t_round):
                     break
-                f, level = self._expand(frontier, toks, parents, slots, feat, lens, d, head_cache, k, temp, True)
+                f, level = self._expand(frontier, toks, root, parents, slots, feat, lens, d, head_cache, k, temp, True)
             if level is not None:  # the law from C, and its k largest values
                 q, planned = level.probs, [[math.exp(v) for v in row] for row in level.logprobs]
             else:

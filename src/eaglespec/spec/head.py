@@ -60,7 +60,10 @@ HEAD_FORMAT = "eaglespec-draft-head"
 HEAD_FORMAT_VERSION = 1
 TRAINING_RECORD = "training.json"  # the training run's settings, steps, held-out evals and earlier runs
 DRAFT_VOCABS = ("context", "head", "full")  # which tokens a loaded head may propose (see from_pretrained)
-# Paper Fig. 8 ablations. "feature+shifted_token" is EAGLE.
+# What the head reads beside position j (paper Fig. 8): "feature+shifted_token" is EAGLE (f_j and
+# t_{j+1}, the token drawn from f_j, which resolves the feature's uncertainty); the ablations are
+# f_j with t_j (the token whose feature f_j is), f_j alone, and t_{j+1} alone (a token-level draft:
+# the last known token, as a small language model reads it).
 INPUT_MODES = ("feature+shifted_token", "feature+unshifted_token", "feature", "token")
 
 
@@ -223,7 +226,7 @@ class EagleDraftHead(nn.Module):
     def forward(
         self,
         features: torch.Tensor,  # (B, T, H): f_j
-        tokens: torch.Tensor,  # (B, T): t_{j+1} (t_j for the unshifted ablation: the caller aligns)
+        tokens: torch.Tensor,  # (B, T): t_{j+token_offset}, aligned by the caller
         position_ids: torch.Tensor,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # (B, 1, T, past + T) float, None = causal
         cache: Any = None,
@@ -276,6 +279,13 @@ class EagleDraftHead(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def token_offset(self) -> int:
+        """Which token `forward` reads beside f_j: t_{j + token_offset} (0 only for the unshifted
+        ablation). Callers pass it: the training loss, and the decode loop for committed pairs and
+        for tree nodes (t_{j+1} is a node's own token, t_j its parent's)."""
+        return 0 if self.input_mode == "feature+unshifted_token" else 1
 
     def grow(self, num_layers: int) -> "EagleDraftHead":
         """Append decoder layers that start as the identity (attention and MLP output projections

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from ..spec.cache import KVCache
 from ..errors import CheckpointError, EaglespecError
-from ..spec.head import EagleDraftHead, read_head_config, read_training_record
+from ..spec.head import INPUT_MODES, EagleDraftHead, read_head_config, read_training_record
 from ..io import atomic_torch_save, atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
 from ..spec.tree import float_mask
@@ -56,7 +56,10 @@ class TrainConfig:
     max_steps: int = 0  # 0 = no limit (stop after `epochs`)
     seed: int = 0
     device: str = "cpu"
-    input_mode: str = "feature+shifted_token"
+    input_mode: str = field(default="feature+shifted_token", metadata={
+        "choices": INPUT_MODES, "help": "what the head reads beside f_j (paper Fig. 8): feature+shifted_token = "
+        "EAGLE (f_j and t_{j+1}); feature+unshifted_token = f_j and t_j; feature = f_j alone; token = t_{j+1} "
+        "alone (a token-level draft)"})
     init: str = ""  # a head folder to start from (weights and draft vocabulary), e.g. to train a shipped head further
     unroll: int = 1  # training-time test: steps of the head fed its own predictions (1 = the paper)
     unroll_decay: float = 0.8  # loss weight of step s is unroll_decay ** (s - 1)
@@ -72,6 +75,7 @@ class TrainConfig:
                   ("unroll", self.unroll >= 1, ">= 1"), ("unroll_decay", self.unroll_decay > 0, "> 0"),
                   ("unroll_fraction", 0 < self.unroll_fraction <= 1, "in (0, 1]"), ("layers", self.layers >= 0, ">= 0"),
                   ("draft_vocab", self.draft_vocab >= -1, ">= -1 (-1: the --init head's, 0: all tokens)")]
+        checks.append(("input_mode", self.input_mode in INPUT_MODES, "one of " + ", ".join(INPUT_MODES)))
         for name, ok, want in checks:
             if not ok:
                 raise EaglespecError(f"{name} must be {want}, got {getattr(self, name)}")
@@ -174,7 +178,8 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
                ce_weight: float, generator: torch.Generator | None = None, unroll: int = 1,
                unroll_decay: float = 1.0, unroll_fraction: float = 1.0,
                reg_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
-    """ids, feats, mask: (B, T[, H]). The shift: input (f_j, t_{j+1}) -> prediction of f_{j+1}.
+    """ids, feats, mask: (B, T[, H]). The shift: input (f_j, t_{j+1}) -> prediction of f_{j+1} (the
+    head's `input_mode` may read t_j instead, or zero one input).
     Loss per step: `reg_weight` * SmoothL1(f_hat, f) + `ce_weight` * CE(target's distribution, draft's).
 
     With `unroll` = k > 1 (training-time test, as in HASS / EAGLE-3): step s = 2..k feeds the head its
@@ -229,13 +234,15 @@ def unroll_head(head: EagleDraftHead, ids: torch.Tensor, x_f: torch.Tensor, step
     """Run the head `steps` times the way drafting does; yield (s, anchors, at, prediction) per step.
 
     ids: (B, T+1) tokens, x_f: (B, T, H) step-1 input features. Anchor j's step s predicts f_{j+s}
-    (at = j+s-1, clamped; callers drop j+s > T) from its step s-1 prediction and token t_{j+s}, seeing
+    (at = j+s-1, clamped; callers drop j+s > T) from its step s-1 prediction and token t_{j+s} (t_{j+s-1}
+    where the head reads unshifted tokens), seeing
     the real prefix up to j and its own chain: the mask gains one diagonal per step. `later` restricts
     steps >= 2 to those anchors (chains are independent). Without a cache the head runs step 1 alone,
     causally.
     """
     B, T = x_f.shape[:2]
     dev = ids.device
+    offset = getattr(head, "module", head).token_offset  # t_{j+1}, or t_j for the unshifted ablation
     idx = torch.arange(T, device=dev)
     causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
     allowed = causal
@@ -247,7 +254,7 @@ def unroll_head(head: EagleDraftHead, ids: torch.Tensor, x_f: torch.Tensor, step
             allowed = torch.cat([allowed, torch.eye(idx.numel(), dtype=torch.bool, device=dev)], dim=1)
         at = (idx + s - 1).clamp(max=T - 1)
         attn = float_mask(allowed, x_f.dtype) if cache is not None else None
-        pred = head(x_f, ids[:, at + 1], at.expand(B, -1), attn, cache)
+        pred = head(x_f, ids[:, at + offset], at.expand(B, -1), attn, cache)
         yield s, idx, at, pred
         x_f = pred
 
@@ -362,6 +369,9 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         torch.manual_seed(cfg.seed)
         if cfg.init:
             head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
+            if head.input_mode != cfg.input_mode:
+                raise EaglespecError(f"{cfg.init} reads {head.input_mode}; --input-mode {cfg.input_mode} would "
+                                     "train another head: start it without --init")
             head.grow(max(cfg.layers, head.num_layers))  # new layers start as the identity
             head.add_aux_layers(aux_layers)  # a new fusion starts at zero
             size = 0 if head.d2t is None else head.d2t.numel()

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The paper's ablations on this machine, written to REPRODUCTION.md beside the paper's numbers:
+#   input modes (Fig. 8), fixed vs target-generated data (Table 6), feature noise, tree vs chain
+#   (Table 5), batch sizes (Table 7).
+#
+#   scripts/reproduce.sh [--quick]
+#
+# One budget for every head: the same ShareGPT prompts, answers of the same lengths, the same steps,
+# seed and head size (one decoder layer, EAGLE-1's inputs, an 8,192-token draft vocabulary). Stages
+# (STAGES="data train eval tree batch report") resume: finished data and training runs are kept in
+# $OUT. The data and training stages may share the machine; eval, tree and batch time decoding, so
+# run them on an idle machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+QUICK=0
+[ "${1:-}" = "--quick" ] && QUICK=1
+if [ "$QUICK" = 1 ]; then
+  OUT=${OUT:-$HOME/.cache/eaglespec/runs/reproduce-quick}
+  CONVS=${CONVS:-240}; NEW=${NEW:-128}; EPOCHS=${EPOCHS:-2}; LIMIT=${LIMIT:-4}; BLIMIT=${BLIMIT:-2}
+else
+  OUT=${OUT:-$HOME/.cache/eaglespec/runs/reproduce}
+  CONVS=${CONVS:-1600}; NEW=${NEW:-192}; EPOCHS=${EPOCHS:-4}; LIMIT=${LIMIT:-10}; BLIMIT=${BLIMIT:-4}
+fi
+STAGES=${STAGES:-"data train eval tree batch report"}
+MODEL=smollm2-135m-instruct
+TRAIN=(--epochs "$EPOCHS" --batch-tokens 2048 --lr 5e-4 --draft-vocab 8192 --seed 0 --save-every 100
+       --eval-conversations 16 --eval-steps 3)
+# name: input mode, data folder, noise
+RUNS="eagle:feature+shifted_token:target:0.1 unshifted:feature+unshifted_token:target:0.1
+      feature:feature:target:0.1 token:token:target:0.1 fixed:feature+shifted_token:fixed:0.1
+      no-noise:feature+shifted_token:target:0"
+mkdir -p "$OUT"
+echo "reproduce: $OUT (conversations $CONVS, answers <= $NEW tokens, $EPOCHS epochs)" >&2
+for stage in $STAGES; do
+  case $stage in
+    data)   # the target's answers (features written while decoding), then ShareGPT's answers to the same prompts cut to the same lengths
+      eaglespec regenerate --model $MODEL --out "$OUT/data/target.jsonl" --features-out "$OUT/data/target" \
+        --max-conversations "$CONVS" --max-new-tokens "$NEW" --heldout-every 16
+      python scripts/reproduce.py fixed-data "$OUT/data/target.jsonl" "$OUT/data/fixed.jsonl" --heldout-every 16
+      eaglespec extract --model $MODEL --data "$OUT/data/fixed.jsonl" --out "$OUT/data/fixed" --heldout 0 \
+        --max-tokens 100000000
+      # one held-out set for every run: the target's own answers, what a head meets when drafting
+      if [ ! -L "$OUT/data/fixed/heldout" ]; then
+        rm -rf "$OUT/data/fixed/heldout" && ln -s ../target/heldout "$OUT/data/fixed/heldout"
+      fi ;;
+    train)
+      for run in $RUNS; do
+        IFS=: read -r name mode data noise <<< "$run"
+        if [ -f "$OUT/runs/$name/head/config.json" ]; then continue; fi
+        eaglespec train --features "$OUT/data/$data" --out "$OUT/runs/$name" --input-mode "$mode" --noise "$noise" \
+          "${TRAIN[@]}"
+      done ;;
+    eval)   # each head on MT-bench first turns, T = 0: the paper's tree and a chain, with their speedups
+      for run in $RUNS; do
+        IFS=: read -r name mode data noise <<< "$run"
+        eaglespec bench --head "$OUT/runs/$name/head" --dataset mt_bench --first-turn-only --limit "$LIMIT" --spread \
+          --temperature 0 --tree paper --chain chain:4 --methods vanilla,eagle,eagle-chain --out "$OUT/eval/$name"
+      done ;;
+    tree)   # Table 5 with the shipped head: the paper's tree against a chain, T = 0 and 1
+      eaglespec bench --dataset mt_bench --first-turn-only --limit "$LIMIT" --spread --temperature 0,1 --tree paper \
+        --chain chain:4 --methods vanilla,eagle,eagle-chain --out "$OUT/tree" ;;
+    batch)  # Table 7 with the shipped head: batch sizes 1, 2, 4 (the paper's tree, and one draft a round)
+      eaglespec bench --dataset mt_bench --first-turn-only --limit "$BLIMIT" --temperature 0 --tree paper \
+        --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch-paper"
+      eaglespec bench --dataset mt_bench --first-turn-only --limit "$BLIMIT" --temperature 0 --tree chain:1 \
+        --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch-chain1" ;;
+    report)
+      python scripts/reproduce.py report "$OUT" REPRODUCTION.md ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
