@@ -51,6 +51,13 @@ TOKENIZER_TEXTS = ["Hello world, how are you?", "  leading spaces\tand\ttabs\n\n
                    ""]
 
 
+def test_decoding_gives_back_the_text_without_english_clean_up(smol):
+    """The GGUF tokenizer would rewrite " ," to "," (transformers' clean-up): code comes back as written."""
+    _, tok = smol
+    for text in ("re.sub(r'[^a-z]+','', text)", "f(a , b) ; x = ' s'", "Hello world , isn 't it ?"):
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
 def test_converted_tokenizer_is_the_gguf_s(smol):
     """The converted folder holds the fast tokenizer alone (no GGUF copied as `tokenizer.model`, which
     some transformers versions read as a SentencePiece model), and it gives the GGUF tokenizer's ids."""

@@ -346,6 +346,34 @@ def test_text_stream_waits_for_whole_characters_and_stop_strings():
     assert t.push([4]) == "" and t.finish() == "\ufffd"  # ... until the end
 
 
+class CleanUpTok(BytesTok):
+    """transformers' space clean-up on top (what a tokenizer with clean_up_tokenization_spaces does)."""
+
+    clean_up_tokenization_spaces = True
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        from transformers import PreTrainedTokenizerBase
+
+        return PreTrainedTokenizerBase.clean_up_tokenization(super().decode(ids, skip_special_tokens))
+
+
+def test_text_stream_pieces_join_to_the_whole_decoding_under_space_clean_up():
+    """A token can make the clean-up rewrite text decoded before it (" '" + "s" -> "'s"): streamed one
+    token at a time or in rounds, the pieces join to the decoding of all the tokens."""
+    import random
+
+    pieces = [b"x", b" ", b"'", b"s", b" ,", b",", b" n", b"'t", b" .", b"''", b" '", b"a", b"?", b"ve"]
+    tok, rng = CleanUpTok(pieces), random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(pieces)) for _ in range(rng.randint(1, 12))]
+        t, out, i = TextStream(tok), "", 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            out += t.push(ids[i:i + n])
+            i += n
+        assert out + t.finish() == tok.decode(ids), ids
+
+
 # -- the official client, concurrency, the queue, faults -------------------------------------------
 def test_the_official_openai_client(srv):
     """Chat, completions, streaming and errors through `openai.OpenAI`, as users call it."""

@@ -194,8 +194,9 @@ def fast_tokenizer_only(folder: Path) -> None:
     if not (folder / "tokenizer.json").is_file() or not cfg_path.is_file():
         return
     cfg = json.loads(cfg_path.read_text())
-    if cfg.get("tokenizer_class") != "PreTrainedTokenizerFast":
+    if cfg.get("tokenizer_class") != "PreTrainedTokenizerFast" or cfg.get("clean_up_tokenization_spaces"):
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        cfg["clean_up_tokenization_spaces"] = False  # see load_target
         atomic_write_json(cfg, cfg_path)
     if spm.is_file():
         spm.unlink()
@@ -273,6 +274,10 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
             raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]}") from None
         # the converted copy is damaged (its files no longer match their hashes): made again, once
         model, tok = _load_folder(str(converted_path(key, rebuild=True)), dtype, attn_implementation)
+    if name_or_path.lower() in REGISTRY:
+        # transformers' GGUF tokenizer turns on its English clean-up (" ," -> ",", " 's" -> "'s"),
+        # which the models' own tokenizers leave off: it rewrites byte-level text, code above all
+        tok.clean_up_tokenization_spaces = False
     model = model.to(device).eval()
     if quantize in QUANTIZERS:
         if quantize == "int4" and (device != "cpu" or not int4_available()):

@@ -10,11 +10,18 @@ from typing import Sequence
 from transformers import PreTrainedTokenizerBase
 
 
+# what transformers' `clean_up_tokenization` rewrites (a tokenizer with clean_up_tokenization_spaces
+# on): the next token can change the end of the text decoded so far
+CLEAN_UP = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+
+
 class TextStream:
-    """The text of a growing list of tokens, released only once it is final.
+    """The text of a growing list of tokens, released only once it is final: the pieces released
+    join to the decoding of all the tokens.
 
     Held back: a trailing half of a multi-byte character (the tokenizer decodes it as U+FFFD until
-    the next token completes it) and any tail that could still become a stop string. When a stop
+    the next token completes it), any tail that could still become a stop string, and, where the
+    tokenizer cleans up spaces, any tail that the next token could make it rewrite. When a stop
     string appears, the text ends just before it and `stopped` is set.
     """
 
@@ -43,8 +50,9 @@ class TextStream:
                              if self._first_stop(self.tok.decode(self.ids[:n], skip_special_tokens=True)) is not None)
             return self._release(full[:cut])
         end = len(full.rstrip("\ufffd"))
-        hold = 0  # the longest tail that is the start of a stop string
-        for s in self.stop:
+        hold = 0  # the longest tail that is the start of a stop string, or of a clean-up rewrite
+        pending = self.stop + (list(CLEAN_UP) if getattr(self.tok, "clean_up_tokenization_spaces", False) else [])
+        for s in pending:
             hold = max(hold, next((k for k in range(min(len(s) - 1, end), 0, -1) if full[:end].endswith(s[:k])), 0))
         return self._release(full[:max(end - hold, len(self.text))])
 
