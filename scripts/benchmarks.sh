@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$HOME/.cache/eaglespec/runs/benchmarks}
-STAGES=${STAGES:-"curve ablation main int4-q8 batch tau"}
+STAGES=${STAGES:-"curve ablation main int4-q8 batch tau serve"}
 N=${N:-8}            # questions per dataset in the main tables
 SPREAD=${SPREAD:---spread}  # N questions spaced evenly over each set (MT-bench: one per category); SPREAD= for the first N
 TREE=${TREE:-auto+lookup}  # the eagle row of the main table (the CLI's default on a CPU)
@@ -98,6 +98,8 @@ for stage in $STAGES; do
     int8)      # weight-only int8 (slower than fp32 on this CPU: not in the default stages)
       eaglespec bench --quantize int8 --dataset mt_bench --first-turn-only --limit 5 --temperature 0 --tree "$TREE" \
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;
+    serve)     # the server under 1, 4, 8 concurrent clients: one request at a time vs continuous batching
+      python -m eaglespec.bench.serving --out "$OUT/serve" ;;
     tau)       # the model card's acceptance: 80 MT-bench first turns, paper tree, T=0
       K=$(fp32_kernels)
       eaglespec bench $K --dataset mt_bench --first-turn-only --temperature 0 --tree paper \

@@ -5,7 +5,8 @@ run's results, the other CPU kinds' sections are kept as they are; the README's 
     python scripts/write_benchmarks.py RUN_DIR [BENCHMARKS.md]
 
 RUN_DIR holds one folder per stage (`main`, `int4-q8`, `ablation`, `batch`, `tau80`: each a
-`results.json` from `eaglespec bench`; `curve`: a `cost_curve.json` from `eaglespec profile`).
+`results.json` from `eaglespec bench`; `curve`: a `cost_curve.json` from `eaglespec profile`;
+`serve`: a `results.json` from `python -m eaglespec.bench.serving`).
 """
 
 from __future__ import annotations
@@ -134,8 +135,35 @@ def curve_table(run: Path, kind: str) -> list[str]:
             "| ms | " + " | ".join(f"{ms[n]:.1f}" for n in show) + f" | {1000 * c['draft_level_s']:.2f} |", ""]
 
 
+def serve_table(run: Path, result: dict) -> list[str]:
+    cfg = result["config"]
+    settings = "; ".join(f"{name}: `--max-batch {v['max_batch']}`" + (f" `--batch-tree {v['batch_tree']}`"
+                                                                      if v["batch_tree"] else " `--batch-tree none`")
+                         for name, v in cfg["settings"].items())
+    out = ["### Concurrent clients (`eaglespec serve`)", "",
+           f"`python -m eaglespec.bench.serving` {stamp(result)}.", "",
+           f"{cfg['requests']} MT-bench first turns per cell (chat, {cfg['max_tokens']} tokens, T = {cfg['temperature']:g}), "
+           f"sent by C clients that each ask again as soon as an answer comes; the server over one engine "
+           f"(`--tree {cfg['tree']}`): {settings}. tok/s: every answer's tokens over the cell's wall time, median of "
+           f"{cfg['repeats']} interleaved repeats; latency: send to full answer, queueing included.", "",
+           "| clients | setting | tok/s | vs one at a time | p50 latency | p95 latency | greedy = vanilla |",
+           "|---|---|---|---|---|---|---|"]
+    order = list(cfg["settings"])
+    for r in sorted(result["summary"], key=lambda r: (r["clients"], order.index(r["setting"]))):
+        eq = {True: "yes", False: "**NO**", None: "n/a"}[r.get("greedy_equal")]
+        out.append(f"| {r['clients']} | {r['setting']} | {r['tokens_per_s']:.1f} | {fx(r['vs_one_at_a_time'])} | "
+                   f"{r['p50_latency_s']:.2f} s | {r['p95_latency_s']:.2f} s | {eq} |")
+    plot = run / "serve" / "serving.png"
+    if plot.is_file():
+        name = f"serving_{slug(result['machine']['cpu'])}.png"
+        DOCS.mkdir(exist_ok=True)
+        shutil.copyfile(plot, DOCS / name)
+        out += ["", f"![aggregate tokens/s and p95 latency by clients](docs/{name})"]
+    return out + [""]
+
+
 def host_section(run: Path) -> tuple[str, str]:
-    results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80")}
+    results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80", "serve")}
     first = next((r for r in results.values() if r is not None), None)
     if first is None:
         sys.exit(f"no results.json under {run}")
@@ -158,6 +186,8 @@ def host_section(run: Path) -> tuple[str, str]:
         lines += batch_table(results["batch"])
     if results["tau80"]:
         lines += tau_table(results["tau80"])
+    if results["serve"]:
+        lines += serve_table(run, results["serve"])
     return kind, "\n".join(lines).rstrip() + "\n"
 
 

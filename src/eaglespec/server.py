@@ -442,7 +442,7 @@ class Handler(BaseHTTPRequestHandler):
 
 def serve(engine: Engine, tok: PreTrainedTokenizerBase, model_id: str, eos: list[int], host: str = "127.0.0.1",
           port: int = 8000, method: str = "eagle", default_max_tokens: int = 1024, warm_up: bool = True,
-          api_key: str | None = None, batch_tree: str | None = None, max_batch: int = 8,
+          api_key: str | None = None, batch_tree: str | None = "chain:1", max_batch: int = 8,
           max_queue: int = 64, log_requests: bool = True) -> EagleServer:
     """An `EagleServer` bound to host:port (port 0: any free one), not yet serving: call
     ``serve_forever()`` on it (in a thread, for tests) and ``shutdown()`` then ``server_close()`` to

@@ -31,8 +31,8 @@ from ..platform import default_head
 from .datasets import load_questions
 from .harness import machine
 
-# name -> (max_batch, batch_tree)
-SETTINGS = {"one at a time": (1, None), "batched": (8, None), "batched, chain:1": (8, "chain:1")}
+# name -> (max_batch, batch_tree); the last is `eaglespec serve`'s default
+SETTINGS = {"one at a time": (1, None), "batched, plain steps": (8, None), "batched, chain:1": (8, "chain:1")}
 
 
 def _ask(url: tuple[str, int], body: dict) -> tuple[float, dict]:
