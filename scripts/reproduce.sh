@@ -16,10 +16,10 @@ QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 if [ "$QUICK" = 1 ]; then
   OUT=${OUT:-$HOME/.cache/eaglespec/runs/reproduce-quick}
-  CONVS=${CONVS:-240}; NEW=${NEW:-128}; EPOCHS=${EPOCHS:-2}; LIMIT=${LIMIT:-4}; BLIMIT=${BLIMIT:-2}
+  CONVS=${CONVS:-200}; NEW=${NEW:-128}; EPOCHS=${EPOCHS:-1}; LIMIT=${LIMIT:-3}; BLIMIT=${BLIMIT:-2}
 else
   OUT=${OUT:-$HOME/.cache/eaglespec/runs/reproduce}
-  CONVS=${CONVS:-1600}; NEW=${NEW:-192}; EPOCHS=${EPOCHS:-4}; LIMIT=${LIMIT:-10}; BLIMIT=${BLIMIT:-4}
+  CONVS=${CONVS:-1000}; NEW=${NEW:-160}; EPOCHS=${EPOCHS:-2}; LIMIT=${LIMIT:-8}; BLIMIT=${BLIMIT:-4}
 fi
 STAGES=${STAGES:-"data train eval tree batch report"}
 MODEL=smollm2-135m-instruct

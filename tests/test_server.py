@@ -291,6 +291,30 @@ def test_a_failure_of_ours_is_a_500_and_the_server_goes_on(srv, monkeypatch):
     assert post(srv, "/v1/completions", {"prompt": "w5", "max_tokens": 2})[0] == 200
 
 
+def test_a_failure_in_the_decode_thread_is_a_500_and_decoding_goes_on(srv, monkeypatch):
+    """The decode thread's round raises: every request in that batch gets a 500 (a stream: an error
+    event, then [DONE]), and the next requests decode as ever."""
+    from eaglespec.spec.engine import ContinuousBatch
+
+    step, calls = ContinuousBatch.step, []
+
+    def flaky(cb):
+        calls.append(1)
+        if len(calls) in (2, 4):  # a round after the prefill, in each of the two requests below
+            raise RuntimeError("boom")
+        return step(cb)
+
+    monkeypatch.setattr(ContinuousBatch, "step", flaky)
+    code, r = post(srv, "/v1/completions", {"prompt": "w5 w9", "max_tokens": 8, "temperature": 0})
+    assert code == 500 and "RuntimeError" in r["error"]["message"]
+    events = post_stream(srv, "/v1/completions", {"prompt": "w5 w9", "max_tokens": 8, "temperature": 0})
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+    want = vanilla(srv, srv.tok("w5 w9")["input_ids"], 8)[0]
+    code, r = post(srv, "/v1/completions", {"prompt": "w5 w9", "max_tokens": 8, "temperature": 0})
+    assert code == 200 and r["choices"][0]["text"] == want
+    assert srv.scheduler.load() == {"running": 0, "waiting": 0}
+
+
 def test_api_key_and_the_warning_beyond_loopback(srv, capsys):
     keyed = serve(srv.engine, srv.tok, "tiny", srv.eos, port=0, warm_up=False, api_key="s3cret")
     threading.Thread(target=keyed.serve_forever, daemon=True).start()
