@@ -305,14 +305,21 @@ def test_a_failure_in_the_decode_thread_is_a_500_and_decoding_goes_on(srv, monke
         return step(cb)
 
     monkeypatch.setattr(ContinuousBatch, "step", flaky)
-    code, r = post(srv, "/v1/completions", {"prompt": "w5 w9", "max_tokens": 8, "temperature": 0})
-    assert code == 500 and "RuntimeError" in r["error"]["message"]
-    events = post_stream(srv, "/v1/completions", {"prompt": "w5 w9", "max_tokens": 8, "temperature": 0})
-    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
-    want = vanilla(srv, srv.tok("w5 w9")["input_ids"], 8)[0]
-    code, r = post(srv, "/v1/completions", {"prompt": "w5 w9", "max_tokens": 8, "temperature": 0})
-    assert code == 200 and r["choices"][0]["text"] == want
-    assert srv.scheduler.load() == {"running": 0, "waiting": 0}
+    endless = serve(srv.engine, srv.tok, "tiny", [], port=0, warm_up=False)  # no end token: several rounds
+    threading.Thread(target=endless.serve_forever, daemon=True).start()
+    try:
+        body = {"prompt": "w5 w9", "max_tokens": 40, "temperature": 0}
+        code, r = post(endless, "/v1/completions", body)
+        assert code == 500 and "RuntimeError" in r["error"]["message"]
+        events = post_stream(endless, "/v1/completions", body)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+        code, r = post(endless, "/v1/completions", body)
+        ids = Engine(srv.engine.model).generate(srv.tok("w5 w9")["input_ids"], 40, method="vanilla").token_ids
+        assert code == 200 and r["choices"][0]["text"] == srv.tok.decode(ids, skip_special_tokens=True)
+        assert len(calls) > 4 and endless.scheduler.load() == {"running": 0, "waiting": 0}
+    finally:
+        endless.shutdown()
+        endless.server_close()
 
 
 def test_api_key_and_the_warning_beyond_loopback(srv, capsys):
