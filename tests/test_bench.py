@@ -18,7 +18,9 @@ def test_bench_end_to_end(tiny_dirs, tmp_path, capsys):
         datasets.append("gsm8k")
     out = tmp_path / "out"
     rc = main(["bench", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"),
+               # a static tree: `auto` may rightly stop drafting on a loaded machine, and tau > 1 is checked below
                "--dataset", ",".join(datasets), "--limit", "2", "--temperature", "0,1", "--max-new-tokens", "12",
+               "--tree", "paper",
                "--methods", "vanilla,eagle,eagle-chain,hf,pld,llamacpp,eagle@dynamic:3,2,5", "--batch-size", "1,2", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     res = json.loads((out / "results.json").read_text())
