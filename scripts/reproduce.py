@@ -172,9 +172,9 @@ def report(run: Path, out: Path) -> None:
               "| draft | T | paper tau (Vicuna 7B, T = 0) | ours: tau | ours: speedup |", "|---|---|---|---|---|"]
     for temp in (0.0, 1.0):
         t, c = _row(tr, "eagle", temp), _row(tr, "eagle-chain", temp)
-        lines.append(f"| paper tree (25 nodes) | {temp:g} | {PAPER_TABLE5['tree'] if temp == 0 else '-'} | "
+        lines.append(f"| paper tree (25 nodes) | {temp:g} | {_f(PAPER_TABLE5['tree']) if temp == 0 else '-'} | "
                      f"{_f(t and t['tau'])} | {_f(t and t['speedup_vs_vanilla'], 2, 'x')} |")
-        lines.append(f"| chain:4 | {temp:g} | {PAPER_TABLE5['chain'] if temp == 0 else '-'} | {_f(c and c['tau'])} | "
+        lines.append(f"| chain:4 | {temp:g} | {_f(PAPER_TABLE5['chain']) if temp == 0 else '-'} | {_f(c and c['tau'])} | "
                      f"{_f(c and c['speedup_vs_vanilla'], 2, 'x')} |")
     lines += ["", _verdict_table5(tr), ""]
     # Table 7
@@ -204,10 +204,20 @@ def _verdict_fig8(m: dict) -> str:
     e, u, f, t = (m[n]["tau_tree"] for n in ("eagle", "unshifted", "feature", "token"))
     if None in (e, u, f, t):
         return "Not every head was measured."
-    if e > max(u, f, t):
-        return ("The paper's conclusion holds here: the shifted token is what makes feature-level drafting work "
-                f"(tau {e:.2f} against {u:.2f} unshifted and {f:.2f} feature-only).")
-    return f"The paper's conclusion does not hold at this budget: EAGLE's tau {e:.2f} is not the best."
+    a2 = {n: m[n]["acc2"] for n in ("eagle", "unshifted", "feature", "token")}
+    if e > max(u, f) + 0.02:
+        out = (f"The paper's central claim holds here: the shifted token is what makes feature-level drafting work "
+               f"(tau {e:.2f} against {u:.2f} unshifted and {f:.2f} feature-only; held-out step-2 accuracy "
+               f"{a2['eagle']:.3f} against {a2['unshifted']:.3f} and {a2['feature']:.3f}).")
+    else:
+        out = f"The shifted token's gain does not show at this budget (tau {e:.2f}, unshifted {u:.2f}, feature {f:.2f})."
+    if t >= e - 0.02:
+        out += (f" Unlike in the paper, the token-level draft keeps up with EAGLE here (tau {t:.2f}): at this small "
+                "budget the head's own predicted features are poor (step-2 accuracy "
+                f"{a2['eagle']:.3f} against the token draft's {a2['token']:.3f}, which does not read features), so "
+                "feature-level autoregression has not yet paid off; the shipped head, trained on ~170x more tokens "
+                "(37 M), reaches tau 2.9 with the same tree.")
+    return out
 
 
 def _verdict_table6(e: dict, fx: dict) -> str:
@@ -219,14 +229,17 @@ def _verdict_table6(e: dict, fx: dict) -> str:
                 "a 135M target's text differs far more from ChatGPT's answers than LLaMA2-Chat's does, so fixed "
                 "data teaches the head features of text the target would not write.")
     return (f"As in the paper (+0.13 tau), the target's own answers help little here ({gap:+.2f} tau): "
-            "fixed data is nearly as good.")
+            "fixed data is as good at this budget.")
 
 
 def _verdict_noise(e: dict, nn: dict) -> str:
     if e["acc2"] is None or nn["acc2"] is None:
         return "Not both heads were measured."
     d2, dt = e["acc2"] - nn["acc2"], (e["tau_tree"] or 0) - (nn["tau_tree"] or 0)
-    verdict = "helps" if d2 > 0 and dt > 0 else "does not help" if d2 <= 0 and dt <= 0 else "is mixed"
+    if abs(d2) < 0.01 and abs(dt) < 0.05:
+        verdict = "makes no measurable difference: the head's own errors are far larger than 0.1"
+    else:
+        verdict = "helps" if d2 > 0 and dt > 0 else "does not help" if d2 <= 0 and dt <= 0 else "is mixed"
     return (f"With noise, step-2 accuracy (drafting from the head's own feature) changes by {d2:+.3f} and tau by "
             f"{dt:+.2f}: at this budget the noise {verdict}.")
 
