@@ -84,6 +84,10 @@ def _stamp(result: dict | None) -> str:
 
 
 def report(run: Path, out: Path) -> None:
+    # the repository's REPRODUCTION.md shows docs/reproduction.png; any other report its own picture beside it
+    in_repo = out.resolve() == DOCS.parent / "REPRODUCTION.md"
+    image = DOCS / "reproduction.png" if in_repo else out.with_suffix(".png")
+    image_link = "docs/reproduction.png" if in_repo else image.name
     logs = {name: _load(run / "runs" / name / "train_log.json") for name in RUNS}
     evals = {name: _load(run / "eval" / name / "results.json") for name in RUNS}
     target = _load(run / "data" / "target" / "manifest.json")
@@ -195,9 +199,9 @@ def report(run: Path, out: Path) -> None:
                          f"{_f(r.get('speedup'), 2, 'x')} | {_f(r.get('tau'))} |")
         lines.append("")
     lines += [_verdict_table7(run), ""]
-    out.write_text("\n".join(lines))
-    plot(logs, DOCS / "reproduction.png")
-    print(f"wrote {out} and {DOCS / 'reproduction.png'}", file=sys.stderr)
+    out.write_text("\n".join(lines).replace("](docs/reproduction.png)", f"]({image_link})"))
+    plot(logs, image)
+    print(f"wrote {out} and {image}", file=sys.stderr)
 
 
 def _verdict_fig8(m: dict) -> str:

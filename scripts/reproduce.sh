@@ -14,13 +14,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
-if [ "$QUICK" = 1 ]; then
+if [ "$QUICK" = 1 ]; then  # a smoke run of every stage (~10 minutes); its report stays in $OUT
   OUT=${OUT:-$HOME/.cache/eaglespec/runs/reproduce-quick}
-  CONVS=${CONVS:-200}; NEW=${NEW:-128}; EPOCHS=${EPOCHS:-1}; LIMIT=${LIMIT:-3}; BLIMIT=${BLIMIT:-2}
+  REPORT=${REPORT:-$OUT/REPRODUCTION.md}
+  CONVS=${CONVS:-200}; NEW=${NEW:-128}; EPOCHS=${EPOCHS:-1}; LIMIT=${LIMIT:-3}; BLIMIT=${BLIMIT:-4}
 else
   OUT=${OUT:-$HOME/.cache/eaglespec/runs/reproduce}
   CONVS=${CONVS:-1000}; NEW=${NEW:-160}; EPOCHS=${EPOCHS:-2}; LIMIT=${LIMIT:-8}; BLIMIT=${BLIMIT:-4}
 fi
+REPORT=${REPORT:-REPRODUCTION.md}
 STAGES=${STAGES:-"data train eval tree batch report"}
 MODEL=smollm2-135m-instruct
 TRAIN=(--epochs "$EPOCHS" --batch-tokens 2048 --lr 5e-4 --draft-vocab 8192 --seed 0 --save-every 100
@@ -65,7 +67,7 @@ for stage in $STAGES; do
       eaglespec bench --dataset mt_bench --first-turn-only --limit "$BLIMIT" --temperature 0 --tree chain:1 \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch-chain1" ;;
     report)
-      python scripts/reproduce.py report "$OUT" REPRODUCTION.md ;;
+      python scripts/reproduce.py report "$OUT" "$REPORT" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -146,3 +146,15 @@ def test_batch_summary_counts_rounds_and_empty_slots():
     assert row["speedup"] == 2.0 and row["tau"] == 1.5
     split = row["eagle_time_split"]
     assert (split["draft"], split["verify"]) == (0.25, 0.5) and abs(split["other"] - 0.25) < 1e-12
+
+
+def test_a_batch_wider_than_the_question_set_is_refused_up_front(tiny_dirs, tmp_path, capsys):
+    from eaglespec.cli import main
+
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps({"question_id": i, "turns": [f"w{5 + i}"]}) for i in range(2)))
+    rc = main(["bench", "--model", str(tiny_dirs / "model"), "--head", str(tiny_dirs / "head"), "--dataset", str(qfile),
+               "--methods", "vanilla,eagle", "--tree", "paper", "--batch-size", "1,4", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--batch-size 4 needs 4 questions per set" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()  # refused before anything ran

@@ -216,6 +216,12 @@ def run_bench(cfg: BenchConfig) -> dict:
     from ..spec.head import EagleDraftHead
     from ..models import load_target
 
+    widest = max(cfg.batch_sizes, default=1)
+    for ds in cfg.datasets if widest > 1 else []:  # before any model loads: a batch needs that many questions
+        n = len(load_questions(ds, cfg.limit, cfg.spread))
+        if n < widest:
+            raise EaglespecError(f"--batch-size {widest} needs {widest} questions per set; {ds} gives {n}"
+                                 + (" (raise --limit)" if cfg.limit else ""))
     model, tok = load_target(cfg.model, quantize=cfg.quantize, packed=cfg.packed, compile=cfg.compile)
     done = target_kernels(model)
     cfg.packed = done.packed  # what `None` (auto) chose
