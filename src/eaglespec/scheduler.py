@@ -54,6 +54,7 @@ class Job:
     stats: GenerationStats = field(default_factory=GenerationStats)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    started: float = 0.0  # when it joined a batch (perf_counter)
 
     def cancel(self) -> None:
         """Stop decoding (at the next round boundary); no-op once finished."""
@@ -100,7 +101,9 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
-        self.running = 0
+        # the jobs taken from the queue and not finished (changed only by the decode thread; a job
+        # leaves before its last event is sent, so a client that has its answer never counts here)
+        self.active: dict[int, Job] = {}
         self.stopped = False
         self._keys = itertools.count()
         self._job_s = 1.0  # a decayed mean of how long a request decodes, for Retry-After
@@ -124,7 +127,7 @@ class Scheduler:
 
     def load(self) -> dict[str, int]:
         with self.cond:
-            return {"running": self.running, "waiting": len(self.waiting)}
+            return {"running": len(self.active), "waiting": len(self.waiting)}
 
     def close(self) -> None:
         """Stop the thread; unfinished jobs get `ServerClosing`."""
@@ -133,79 +136,66 @@ class Scheduler:
             self.cond.notify()
         self.thread.join(timeout=60)
 
-    def _admit(self, active: dict[int, Job], group: tuple | None) -> list[Job]:
-        """The waiting jobs that join now, in arrival order (call with the lock held)."""
+    def _admit(self) -> list[Job]:
+        """Move waiting jobs to the running ones, in arrival order, while they can share the batch
+        (call with the lock held); returns those that joined."""
         out = []
-        while self.waiting and len(active) + len(out) < self.max_batch:
+        while self.waiting and len(self.active) < self.max_batch:
             job = self.waiting[0]
             if job.cancelled.is_set():
                 self.waiting.popleft()
                 continue
-            if (active or out) and job.group != (group if active else out[0].group):
+            if self.active and job.group != next(iter(self.active.values())).group:
                 break  # it waits for the batch to drain, and so does everyone behind it
-            out.append(self.waiting.popleft())
+            self.active[job.key] = self.waiting.popleft()
+            out.append(job)
         return out
+
+    def _finish(self, job: Job, last: tuple[list[int], str] | BaseException) -> None:
+        del self.active[job.key]  # before the client hears it is done
+        job.events.put(last)
 
     def _loop(self) -> None:
         cb: ContinuousBatch | None = None
-        group: tuple | None = None
-        active: dict[int, Job] = {}
-        started: dict[int, float] = {}
         while True:
             with self.cond:
-                while not self.stopped and not self.waiting and not active:
+                while not self.stopped and not self.waiting and not self.active:
                     self.cond.wait()
                 if self.stopped:
-                    for job in list(self.waiting) + list(active.values()):
+                    for job in list(self.waiting) + list(self.active.values()):
                         job.events.put(ServerClosing("the server is shutting down"))
                     self.waiting.clear()
+                    self.active.clear()
                     return
-                joining = self._admit(active, group)
-                self.running = len(active) + len(joining)
+                joining = self._admit()
             for job in joining:
                 try:
                     if cb is None:
                         cb = ContinuousBatch(self.engine, job.sampling, self.method, self.eos, self.batch, job.seed)
-                        group = job.group
                     cb.add(job.key, job.prompt_ids, job.max_tokens, job.stats)
-                    active[job.key] = job
-                    started[job.key] = time.perf_counter()
+                    job.started = time.perf_counter()
                 except EaglespecError as e:
-                    job.events.put(e)
-            for key, job in list(active.items()):
+                    self._finish(job, e)
+            for job in list(self.active.values()):
                 if job.cancelled.is_set():
-                    cb.cancel(key)
-                    del active[key]
-                    started.pop(key)
-            if not active:
-                cb = None
-                with self.cond:
-                    self.running = 0
-                continue
-            try:
-                events = cb.step()
-            except Exception as e:  # noqa: BLE001 (every running request fails; the server goes on)
-                print(f"eaglespec: decoding failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                for job in active.values():
-                    job.events.put(e)
-                active.clear()
-                started.clear()
-                cb = None
-                with self.cond:
-                    self.running = 0
-                continue
-            for key, new, reason in events:
-                job = active.get(key)
-                if job is None:
-                    continue
-                if reason is not None:
-                    del active[key]
-                    with self.cond:  # before the client hears it is done
-                        self.running = len(active)
-                job.events.put((new, reason))
-                if reason is not None:
-                    self._job_s = 0.8 * self._job_s + 0.2 * (time.perf_counter() - started.pop(key))
-            if not active:
+                    cb.cancel(job.key)
+                    del self.active[job.key]
+            if self.active:
+                try:
+                    events = cb.step()
+                except Exception as e:  # noqa: BLE001 (every running request fails; the server goes on)
+                    print(f"eaglespec: decoding failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    for job in list(self.active.values()):
+                        self._finish(job, e)
+                    events = []
+                for key, new, reason in events:
+                    job = self.active.get(key)
+                    if job is None:
+                        continue
+                    if reason is None:
+                        job.events.put((new, None))
+                        continue
+                    self._job_s = 0.8 * self._job_s + 0.2 * (time.perf_counter() - job.started)
+                    self._finish(job, (new, reason))
+            if not self.active:
                 cb = None  # the next request starts a batch of its own group
-            with self.cond:
-                self.running = len(active)

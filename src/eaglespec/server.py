@@ -36,13 +36,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from transformers import PreTrainedTokenizerBase
 
 from .errors import EaglespecError
 from .models import Engine
 from .scheduler import Job, QueueFull, Scheduler, ServerClosing
+from .spec import ContinuousBatch
 from .spec.verify import SamplingParams
 from .text import TextStream
 
@@ -176,14 +177,15 @@ def parse_request(body: Any, tok: PreTrainedTokenizerBase, chat: bool, default_m
 class Completion:
     """One request's decode (a `Job` on the scheduler), turned into OpenAI's response objects."""
 
-    def __init__(self, server: "EagleServer", req: Request, chat: bool, job: Job) -> None:
+    def __init__(self, server: "EagleServer", req: Request, chat: bool, job: Job,
+                 alive: Callable[[], bool] = lambda: True) -> None:
         self.server, self.req, self.chat, self.job = server, req, chat, job
+        self.alive = alive  # whether the client is still there (see `Job.tokens`)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.stats = job.stats
         self.finish_reason = "length"
         self.text: TextStream | None = None
-        self.alive = lambda: True  # whether the client is still there (asked while no token comes)
 
     def pieces(self) -> Iterator[str]:
         """The completion's text, piece by piece as the scheduler sends tokens; the job is cancelled
@@ -389,8 +391,7 @@ class Handler(BaseHTTPRequestHandler):
                                    headers={"Retry-After": str(e.retry_after)}) from None
             except ServerClosing as e:
                 raise RequestError(str(e), status=503, kind="server_error") from None
-            done = Completion(self.server, req, chat, job)
-            done.alive = self._client_alive
+            done = Completion(self.server, req, chat, job, self._client_alive)
             if req.stream:
                 sent = True  # the stream's headers go out first; its errors go in the stream
                 return self._stream(done)
@@ -427,7 +428,7 @@ class Handler(BaseHTTPRequestHandler):
         except RequestError as e:  # found once decoding began: reported in the stream
             self._end_stream(e)
         except (TimeoutError, ConnectionError):
-            events.close()  # the client left or stopped reading: stop decoding, free the engine
+            events.close()  # the client left or stopped reading: its job is cancelled
         except Exception as e:  # noqa: BLE001 (a failure of ours mid-stream: an error event, then [DONE])
             self.log_error("internal error in a stream: %s: %s", type(e).__name__, e)
             events.close()
@@ -455,8 +456,7 @@ def serve(engine: Engine, tok: PreTrainedTokenizerBase, model_id: str, eos: list
     batch = None
     if batch_tree is not None and method == "eagle":
         batch = engine.with_tree(batch_tree)
-        if batch.dynamic is not None:
-            raise EaglespecError(f"the batch tree must be static (paper, chain:K, a list of paths), got {batch_tree!r}")
+        ContinuousBatch.check_batch_engine(engine, batch)  # now, not at the first request
     srv = EagleServer((host, port), engine, tok, model_id, eos, method, default_max_tokens, api_key, batch,
                       max_batch, max_queue, log_requests)
     if warm_up:  # before serve_forever: no request can reach the engine yet

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..io import atomic_write_text
 from ..platform import default_head
 from .datasets import load_questions
@@ -82,13 +80,6 @@ def run_cell(url: tuple[str, int], questions: list[str], clients: int, max_token
     return {"wall_s": wall, "tokens": sum(o["tokens"] for o in out), "answers": out}
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def run(model_name: str, clients: list[int], requests: int, max_tokens: int, temperature: float,
         repeats: int) -> dict[str, Any]:
     from ..models import Engine, eos_ids, load_target
@@ -135,7 +126,8 @@ def run(model_name: str, clients: list[int], requests: int, max_tokens: int, tem
         lat = [a["latency_s"] for r in runs for a in r["answers"]]
         rates = [r["tokens"] / r["wall_s"] for r in runs]
         row = {"setting": name, "clients": c, "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
-               "p50_latency_s": percentile(lat, 0.5), "p95_latency_s": percentile(lat, 0.95),
+               "p50_latency_s": statistics.median(lat),
+               "p95_latency_s": statistics.quantiles(lat, n=20, method="inclusive")[-1] if len(lat) > 1 else lat[0],
                "requests": len(lat), "tokens": sum(r["tokens"] for r in runs)}
         if want is not None:
             row["greedy_equal"] = all(a["text"] == w for r in runs for a, w in zip(r["answers"], want))
@@ -204,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     if min(clients) < 1 or a.requests < 1 or a.repeats < 1 or a.max_tokens < 1:
         print("eaglespec: --clients, --requests, --repeats and --max-tokens must be >= 1", file=sys.stderr)
         return 2
-    torch.set_num_threads(torch.get_num_threads())
     result = run(a.model, clients, a.requests, a.max_tokens, a.temperature, a.repeats)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -137,7 +137,6 @@ class _Run:
         self.head_cache: KVCache | None = None
         self.aux = eagle or (feature_sink is not None and bool(engine.sink_layers))
         self.clock, self.device = engine.clock, engine.device
-        self.t0 = engine.clock()
 
     def capacity(self, rows: "Sequence[_Row]") -> int:
         """Cache entries the rows can need: + depth + 1, because a row may overshoot its budget by
@@ -176,6 +175,17 @@ class _Run:
                     self.head_cache.select_rows(idx)
             rows = [rows[i] for i in live]
         return rows, events
+
+
+def random_stream(sp: SamplingParams, seed: int | None, device: torch.device) -> torch.Generator | None:
+    """The generator a sampled decode draws from (seeded, or from torch's entropy); None when greedy."""
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed not in SEEDS):
+        raise EaglespecError(f"seed must be an integer in {SEEDS.start}..{SEEDS.stop - 1}, got {seed!r}")
+    if sp.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    return gen
 
 
 def sample_without_replacement(q: torch.Tensor, k: int, gen: torch.Generator | None,
@@ -395,12 +405,7 @@ class Engine:
         if eagle and self.dynamic is not None and len(prompts) > 1:
             raise EaglespecError("dynamic trees decode one sequence at a time; use a static tree "
                                  "(paper, chain:K) for batches")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed not in SEEDS):
-            raise EaglespecError(f"seed must be an integer in {SEEDS.start}..{SEEDS.stop - 1}, got {seed!r}")
-        gen = None
-        if not sp.greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed if seed is not None else torch.seed())
+        gen = random_stream(sp, seed, self.device)
         if eagle:
             self.policy.start()
         run = _Run([self], eos_token_ids, eagle, feature_sink)
@@ -856,20 +861,24 @@ class ContinuousBatch:
         self.sp = sampling or SamplingParams()
         if method == "eagle" and not self.sp.greedy and engine._sampled is not None:
             engine = engine._sampled
-        if batch is not None and (batch.dynamic is not None or batch.model is not engine.model
-                                  or batch.head is not engine.head):
-            raise EaglespecError("a batch engine needs a static tree and the engine's model and head")
+        if batch is not None:
+            self.check_batch_engine(engine, batch)
         self.engine, self.batch, self.method, self.eos = engine, batch, method, eos_token_ids
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed not in SEEDS):
-            raise EaglespecError(f"seed must be an integer in {SEEDS.start}..{SEEDS.stop - 1}, got {seed!r}")
-        self.gen = None
-        if not self.sp.greedy:
-            self.gen = torch.Generator(device=engine.device)
-            self.gen.manual_seed(seed if seed is not None else torch.seed())
+        self.gen = random_stream(self.sp, seed, engine.device)
         self.eagle = method == "eagle" and engine.head is not None
         self.run: _Run | None = None
         self.rows: list[_Row] = []
         self.joining: list[tuple[int, list[int], int, GenerationStats]] = []
+
+    @staticmethod
+    def check_batch_engine(engine: Engine, batch: Engine) -> None:
+        """What several rows draft with: a static tree (dynamic ones draft for one sequence) on the
+        engine's model and head."""
+        if batch.dynamic is not None:
+            raise EaglespecError(f"a batch engine needs a static tree (paper, chain:K, a list of paths), got "
+                                 f"{batch.tree_name or 'a dynamic tree'!r}")
+        if batch.model is not engine.model or batch.head is not engine.head:
+            raise EaglespecError("a batch engine needs the engine's model and head")
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining)
