@@ -61,6 +61,40 @@ def good_head(model) -> EagleDraftHead:
     return head.eval()
 
 
+def trained_head(model, arch: str = "eagle3", prompts: list[list[int]] = (), aux_layers: list[int] | None = None,
+                 steps: int = 200, seed: int = 0) -> EagleDraftHead:
+    """A head of `arch` trained for a moment on the tiny target's own greedy text after `prompts`
+    (and a few random ones): an eagle3 head cannot be built by hand to accept (its residual stream
+    never sees the token's embedding), and a tiny random target's text is learnt by heart, not in
+    general, so a test that wants acceptance decodes the prompts the head trained on."""
+    from eaglespec.train.trainer import eagle_loss
+
+    torch.manual_seed(seed)
+    aux = aux_layers if aux_layers is not None else ([0, 1, 2] if arch == "eagle3" else [])
+    prompts = list(prompts) + torch.randint(2, model.config.vocab_size, (8, 4)).tolist()
+    n, width = 40, max(len(p) for p in prompts) + 40
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=model.device)
+    mask = torch.zeros(len(prompts), width, dtype=torch.bool, device=model.device)
+    feats = torch.zeros(len(prompts), width, model.config.hidden_size * (1 + len(aux)), device=model.device)
+    with torch.no_grad():
+        for r, p in enumerate(prompts):
+            x = torch.tensor([p], device=model.device)
+            seq = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones_like(x))
+            hs = model.model(input_ids=seq, output_hidden_states=True).hidden_states
+            t = seq.shape[1]
+            ids[r, :t], mask[r, len(p):t] = seq[0], True
+            feats[r, :t] = torch.cat([hs[-1]] + [hs[i] for i in aux], -1)[0]
+    head = EagleDraftHead(model.config, arch=arch, aux_layers=aux).bind(model).warm_start(model)
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss, _ = eagle_loss(head, ids, feats, mask, noise=0.0, ce_weight=1.0, unroll=2, unroll_fraction=0.5)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def tiny_pair(request):
     model = tiny_target(request.param)

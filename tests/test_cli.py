@@ -154,7 +154,7 @@ def test_corrupt_and_foreign_checkpoints(tiny_dirs, tmp_path, run):
     foreign.mkdir()
     (foreign / "config.json").write_text('{"model_type": "llama"}')
     rc, _, err = run("generate", "--model", str(tiny_dirs / "model"), "--head", str(foreign), "--no-chat", "--prompt", "w3")
-    assert rc == 2 and "not an eaglespec draft head" in err
+    assert rc == 2 and "not a draft head eaglespec knows" in err
 
 
 def _broken_head(src, dst, config=None, tensors=None):

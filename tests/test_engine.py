@@ -1140,3 +1140,73 @@ def test_fused_head_round_trip_and_fit(tiny_pair, tmp_path):
     deep = tiny_target("llama", layers=1)
     with pytest.raises(EaglespecError, match="aux layer 2"):
         EagleDraftHead.from_pretrained(tmp_path / "h", deep)
+
+
+# -- the pure architectures: official EAGLE-1's head and EAGLE-3's --------------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_each_architecture_decodes_losslessly_with_every_tree_and_kernel(family, arch):
+    """An eagle1 and an eagle3 head (trained for a moment, so they accept): greedy output equals
+    the target's with static, dynamic (+lookup) and chain trees, batched and continuously batched,
+    on the torch path and on eaglespec's packed CPU kernels."""
+    from eaglespec.cpu import kernels
+    from eaglespec.cpu.quant import pack_target
+
+    from conftest import trained_head
+
+    model = tiny_target(family)
+    head = trained_head(model, arch, PROMPTS)
+    refs = [hf_greedy(model, p, 40) for p in PROMPTS]
+    for packed in (False, True):
+        if packed:
+            if not kernels.available():
+                continue
+            pack_target(model)
+        for tree in ("paper", "chain:3", "dynamic:3,2,6+lookup"):
+            eng = Engine(model, head, tree=tree)
+            outs = [eng.generate(p, 40) for p in PROMPTS]
+            assert [o.token_ids for o in outs] == refs, (packed, tree)
+            assert max(a for o in outs for a in o.stats.accept_lengths) > 2  # drafts really accepted
+        assert [o.token_ids for o in Engine(model, head, tree="paper").generate_batch(PROMPTS, 30)] == \
+            [r[:30] for r in refs]
+        cb = ContinuousBatch(Engine(model, head, tree="paper"), batch=Engine(model, head, tree="chain:2"))
+        tokens, _, _ = run_continuous(cb, {0: [(0, PROMPTS[0], 30)], 2: [(1, PROMPTS[2], 20)]})
+        assert tokens == {0: refs[0][:30], 1: refs[2][:20]}
+    assert head.accel is not None or not kernels.available()
+
+
+def test_sampling_law_with_an_eagle3_head():
+    """An eagle3 head drafts over its own LM head's vocabulary (here half the target's): the law of
+    the first three tokens is still the target's, enumerated exactly."""
+    from conftest import trained_head
+
+    V, model, _, sp = law_setup()
+    head = EagleDraftHead(model.config, arch="eagle3", aux_layers=[0, 1, 2], draft_vocab=torch.arange(0, V, 2))
+    head.bind(model).warm_start(model)
+    trained = trained_head(model, "eagle3", [[2, 5, 3]], steps=60)
+    with torch.no_grad():  # the trained layer, the draft vocabulary's rows of its LM head
+        for name, p in head.named_parameters():
+            src = dict(trained.named_parameters())[name]
+            p.copy_(src[::2] if name == "draft_lm_head.weight" else src)
+    ids = [2, 5, 3]
+    law = exact_three_token_law(model, ids, sp).flatten()
+    eng = Engine(model, head.eval(), tree="dynamic:3,3,7", draft_sampling="sample", costs=synthetic_costs(0.0, 0.0))
+    assert_law(lambda s: eng.generate(ids, 3, sampling=sp, seed=s).token_ids, law, V, 3000)
+
+
+def test_architecture_arguments_are_checked():
+    model = tiny_target("llama")
+    with pytest.raises(ValueError, match="arch must be one of"):
+        EagleDraftHead(model.config, arch="eagle2")
+    with pytest.raises(ValueError, match="no aux layers"):
+        EagleDraftHead(model.config, arch="eagle1", aux_layers=[1])
+    with pytest.raises(ValueError, match="one layer"):
+        EagleDraftHead(model.config, arch="eagle3", aux_layers=[0, 1, 2], num_layers=2)
+    with pytest.raises(ValueError, match="too shallow"):
+        EagleDraftHead(model.config, arch="eagle3")  # a 2-layer target has no EAGLE-3 default layers
+    head = EagleDraftHead(model.config, arch="eagle3", aux_layers=[0, 1, 2]).bind(model)
+    with pytest.raises(EaglespecError, match="cannot change"):
+        head.set_draft_vocab(torch.arange(10))
+    with pytest.raises(EaglespecError, match="only a hybrid head"):
+        head.grow(2)
+    assert not head.predicts_features and head.feature_width == 4 * model.config.hidden_size

@@ -1,4 +1,4 @@
-"""``eaglespec generate | chat | serve | regenerate | extract | train | bench | profile`` — parses arguments and calls the library, nothing more.
+"""``eaglespec generate | chat | serve | regenerate | extract | train | bench | profile | export`` — parses arguments and calls the library, nothing more.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -74,6 +74,20 @@ def _add_target_kernels(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["none", "fastest", *QUANTIZERS], default="none", help=QUANT_HELP)
     p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None, help=PACK_HELP)
     p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    from .spec.formats import LAYOUTS
+
+    p = sub.add_parser("export", help="write a draft head in another engine's layout (official EAGLE, "
+                       "SafeAILab EAGLE-3, speculators / vLLM, GGUF / llama.cpp)")
+    p.add_argument("head", help="the head folder (any layout eaglespec reads, or a hub repo id in the local cache)")
+    p.add_argument("--format", required=True, choices=[*LAYOUTS, "gguf"],
+                   help="eagle1: official EAGLE (eagle-llm); eagle3: SafeAILab EAGLE-3 (SGLang reads it too); "
+                        "speculators: vLLM's; gguf: llama.cpp's EAGLE-3 (runs llama.cpp's converter)")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the head's target")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
@@ -243,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_bench(sub)
     _add_profile(sub)
+    _add_export(sub)
     return ap
 
 
@@ -405,6 +420,27 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(a: argparse.Namespace) -> int:
+    import torch
+
+    from .models import converted_path, load_target
+    from .spec.formats import export_head
+    from .spec.head import EagleDraftHead
+
+    model, _ = load_target(a.model, packed=False)
+    head = EagleDraftHead.from_pretrained(a.head, model, draft_vocab="head")
+    dtype = getattr(torch, a.dtype)
+    if a.format == "gguf":
+        from .interop import export_gguf
+
+        target_dir = Path(a.model) if Path(a.model).is_dir() else converted_path(a.model)
+        out = export_gguf(head, target_dir, a.out, model.config, None if dtype == torch.float32 else dtype)
+    else:
+        out = export_head(head, a.format, a.out, model.config, None if dtype == torch.float32 else dtype)
+    print(json.dumps({"format": a.format, "arch": head.arch, "out": str(out)}))
+    return 0
+
+
 def cmd_profile(a: argparse.Namespace) -> int:
     from .policy import costmodel
     from .models import Engine
@@ -525,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.seed not in SEEDS:
                 raise EaglespecError(f"--seed must be in {SEEDS.start}..{SEEDS.stop - 1}, got {args.seed}")
         return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "regenerate": cmd_regenerate,
-                "extract": cmd_extract, "train": cmd_train, "bench": cmd_bench, "profile": cmd_profile}[args.command](args)
+                "extract": cmd_extract, "train": cmd_train, "bench": cmd_bench, "profile": cmd_profile,
+                "export": cmd_export}[args.command](args)
     except (EaglespecError, ValueError) as e:  # bad input: its one line
         print(f"eaglespec: error: {e}", file=sys.stderr)
         return 2

@@ -293,7 +293,20 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.fl
 def _load_folder(src: str, dtype: torch.dtype, attn_implementation: str
                  ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
-    return model, AutoTokenizer.from_pretrained(src)
+    return model, load_tokenizer(src, model.config.model_type)
+
+
+MISTRAL_TYPES = ("mistral", "mistral3", "voxtral", "ministral", "pixtral")
+
+
+def load_tokenizer(src: str, model_type: str) -> PreTrainedTokenizerBase:
+    """The folder's tokenizer. transformers 4.57.3+ takes every local folder a 4.57.3-4.x version
+    saved for a Mistral one and warns that its pre-tokenizer regex is wrong; for the other families
+    the regex is the model's own (Qwen2's splits digits one by one: tested against its GGUF's
+    tokenizer), so the check is declined for them and the regex kept as it is."""
+    if model_type in MISTRAL_TYPES:
+        return AutoTokenizer.from_pretrained(src)
+    return AutoTokenizer.from_pretrained(src, fix_mistral_regex=False)
 
 
 def compile_decoder(model: PreTrainedModel) -> PreTrainedModel:

@@ -1,5 +1,21 @@
 """The EAGLE draft head: FC([f_j ; emb(t_{j+1})]) -> one decoder layer of the target's family.
 
+Three architectures (``arch``), each drafted by the same engine:
+
+- ``eagle1``: the paper's head exactly as official EAGLE lays it out: FC (with bias) over the
+  feature and the token's embedding, one decoder layer whose first norm is left out (its input is
+  already the FC's mix), no final norm; the target's LM head reads the predicted feature.
+- ``eagle3``: EAGLE-3's head: FC (no bias) over three target layers' hidden states (low, mid, high;
+  the target's last feature is not an input), one mid layer whose attention reads
+  [norm(embedding) ; norm(hidden)] (width 2H), a final norm and the head's own LM head over a
+  reduced draft vocabulary (``d2t``). It predicts a hidden state, not the target's feature, so it
+  trains on the token loss alone, with training-time test.
+- ``hybrid``: EAGLE-1's FC and a full decoder layer (input norm kept), plus an optional ``fuse``
+  term that adds the projected aux layers (below).
+
+Stored layout: the FC's input columns are [feature ; embedding] in every architecture (EAGLE-1's
+files have [embedding ; feature]: `formats` permutes them on the way in and out).
+
 The paper's head has one layer; ``num_layers`` > 1 stacks more (a capacity lever for small targets,
 whose next feature is harder to extrapolate), and `grow` adds layers that start as the identity, so
 a trained head keeps its predictions exactly while the new layers learn. Only ``fc`` and ``layers``
@@ -26,13 +42,13 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 from ..errors import CheckpointError, EaglespecError, HeadMismatchError
 from ..io import atomic_save_safetensors, atomic_write_json
+from .formats import (HEAD_FORMAT, HEAD_FORMAT_VERSION, detect, eagle3_layers, read_json, read_weights, resolve,
+                      to_eaglespec)
 from .rope import rope
 from .tree import float_mask
 
@@ -56,8 +72,6 @@ class HeadKernels(Protocol):
         """The head was bound to a target again: forget what was derived from the old one."""
 
 
-HEAD_FORMAT = "eaglespec-draft-head"
-HEAD_FORMAT_VERSION = 1
 TRAINING_RECORD = "training.json"  # the training run's settings, steps, held-out evals and earlier runs
 DRAFT_VOCABS = ("context", "head", "full")  # which tokens a loaded head may propose (see from_pretrained)
 # What the head reads beside position j (paper Fig. 8): "feature+shifted_token" is EAGLE (f_j and
@@ -65,6 +79,7 @@ DRAFT_VOCABS = ("context", "head", "full")  # which tokens a loaded head may pro
 # f_j with t_j (the token whose feature f_j is), f_j alone, and t_{j+1} alone (a token-level draft:
 # the last known token, as a small language model reads it).
 INPUT_MODES = ("feature+shifted_token", "feature+unshifted_token", "feature", "token")
+ARCHS = ("hybrid", "eagle1", "eagle3")
 
 
 def _layer_config(target_config: PretrainedConfig, num_layers: int = 1) -> PretrainedConfig:
@@ -93,26 +108,75 @@ def _family_classes(cfg: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Mod
     return type(base.layers[0]), type(base.rotary_emb)
 
 
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's mid layer: attention over [input_layernorm(embedding) ; hidden_norm(hidden)], whose
+    residual is the hidden state, then the family's gated MLP. The family's own attention and MLP
+    modules, with q/k/v widened to read 2H."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * old.in_features, old.out_features, bias=old.bias is not None))
+        self.self_attn, self.mlp = attn, layer.mlp
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.hidden_norm = copy.deepcopy(layer.input_layernorm)
+
+    def forward(self, hidden_states: torch.Tensor, embeds: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden_states)], dim=-1)
+        kwargs.pop("position_ids", None)
+        kwargs.pop("use_cache", None)
+        out = self.self_attn(hidden_states=x, **kwargs)[0]
+        h = hidden_states + out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 class EagleDraftHead(nn.Module):
     def __init__(self, target_config: PretrainedConfig, input_mode: str = "feature+shifted_token",
                  draft_vocab: torch.Tensor | None = None, num_layers: int = 1,
-                 aux_layers: list[int] | None = None):
+                 aux_layers: list[int] | None = None, arch: str = "hybrid"):
         super().__init__()
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+        if arch != "hybrid" and (num_layers != 1 or input_mode != INPUT_MODES[0]):
+            raise ValueError(f"arch {arch}: a head of one layer that and reads {INPUT_MODES[0]}")
+        if arch == "eagle1" and aux_layers:
+            raise ValueError("an eagle1 head reads no aux layers (eagle3 and hybrid do)")
+        if arch == "eagle3" and not aux_layers:
+            aux_layers = eagle3_layers(target_config.num_hidden_layers)
+            if aux_layers != sorted(set(aux_layers)) or aux_layers[0] < 0:
+                raise ValueError(f"a target of {target_config.num_hidden_layers} layers is too shallow for EAGLE-3's "
+                                 "default aux layers (2, L // 2, L - 3): name three")
+        self.arch = arch
         self.input_mode = input_mode
         self.layer_config = _layer_config(target_config, num_layers)
         self.hidden_size = target_config.hidden_size
         self.vocab_size = target_config.vocab_size
         self.model_type = target_config.model_type
         layer_cls, rotary_cls = _family_classes(self.layer_config)
-        self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=True)
+        H = self.hidden_size
         self.layers = nn.ModuleList(layer_cls(self.layer_config, layer_idx=i) for i in range(num_layers))
         self.aux_layers: list[int] = []
         self.fuse: nn.Linear | None = None
-        self.add_aux_layers(list(aux_layers or []))
+        self.norm: nn.Module | None = None
+        self.draft_lm_head: nn.Linear | None = None  # eagle3's own LM head (draft vocabulary rows)
+        if arch == "eagle3":
+            self.aux_layers = list(aux_layers)
+            self.fc = nn.Linear(len(self.aux_layers) * H, H, bias=False)
+            self.layers[0] = Eagle3Layer(self.layers[0])
+            self.norm = copy.deepcopy(self.layers[0].post_attention_layernorm)
+            rows = self.vocab_size if draft_vocab is None else draft_vocab.numel()
+            self.draft_lm_head = nn.Linear(H, rows, bias=False)
+        else:
+            self.fc = nn.Linear(2 * H, H, bias=True)
+            if arch == "eagle1":  # its input is the FC's mix already (official EAGLE has no such norm)
+                self.layers[0].input_layernorm = nn.Identity()
+            self.add_aux_layers(list(aux_layers or []))
         self.rotary = rotary_cls(config=self.layer_config)
         self._frozen: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not saved
         self._w_draft: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, not saved
@@ -151,13 +215,27 @@ class EagleDraftHead(nn.Module):
             return lm.rows(ids)
         return lm.weight.detach()[ids.to(lm.weight.device)]
 
+    def warm_start(self, target: PreTrainedModel) -> "EagleDraftHead":
+        """An untrained eagle3 head's LM head and final norm start as the target's (its rows of the
+        draft vocabulary): the head then only has to learn to produce the target's last feature."""
+        if self.draft_lm_head is not None:
+            with torch.no_grad():
+                self.draft_lm_head.weight.copy_(self.draft_weight() if self.d2t is not None else self.lm_head.weight)
+                final = getattr(getattr(target, "model", target), "norm", None)
+                if final is not None and getattr(final, "weight", None) is not None:
+                    self.norm.weight.copy_(final.weight)
+        return self
+
     def refresh_draft_weight(self) -> None:
         """Cache the LM-head rows of the draft vocabulary (after binding or moving the target)."""
         if self.d2t is not None and self._frozen is not None:
             self._w_draft = self._lm_rows(self.d2t)
 
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
-        """A new draft vocabulary (target ids). The weights do not depend on it: no retraining needed."""
+        """A new draft vocabulary (target ids). The weights do not depend on it: no retraining needed
+        (except an eagle3 head's: its LM head is its own, one row per draft token)."""
+        if self.draft_lm_head is not None:
+            raise EaglespecError("an eagle3 head's draft vocabulary is its LM head's rows: it cannot change")
         if self.accel is not None and self.accel.draft_lm is not None:
             raise RuntimeError("set the draft vocabulary before a backend packs the head")
         if self.accel is not None:
@@ -238,6 +316,9 @@ class EagleDraftHead(nn.Module):
         if features.shape[-1] > self.hidden_size:  # the target's fused inputs ride after f_j
             features, aux = features[..., : self.hidden_size], features[..., self.hidden_size:]
         emb = self.embed(tokens).to(features.dtype)
+        if self.arch == "eagle3":  # the target's layers through the FC, or the head's own last output
+            h = features if aux is None else self.fc(aux)
+            return self._layers(h, tokens.shape, position_ids, attention_mask, cache, None, embeds=emb)
         if self.input_mode == "feature":
             emb = torch.zeros_like(emb)
         elif self.input_mode == "token":
@@ -251,16 +332,22 @@ class EagleDraftHead(nn.Module):
             else:
                 aux = nn.functional.rms_norm(aux, (self.hidden_size,))
             h = h + self.fuse(aux.flatten(-2))
-        b, t = tokens.shape
-        if not lean:
-            plan = None
+        return self._layers(h, tokens.shape, position_ids, attention_mask, cache, plan if lean else None,
+                            lean=lean)
+
+    def _layers(self, h: torch.Tensor, shape: torch.Size, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None, cache: Any, plan: tuple[torch.Tensor, ...] | None,
+                lean: bool = False, **extra: Any) -> torch.Tensor:
+        """The decoder layers on h, with a causal mask when none is given."""
+        b, t = shape
         if attention_mask is None:
             past = cache.get_seq_length() if cache is not None else 0
             allowed = torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past)
             attention_mask = float_mask(allowed, h.dtype)
             if lean:
                 plan = self.accel.causal_plan(b, t, past + t)  # causal: no mask to read
-        extra = {"eaglespec_plan": plan} if plan is not None else {}
+        if plan is not None:
+            extra["eaglespec_plan"] = plan
         cos_sin = rope(self.rotary, h, position_ids)
         for layer in self.layers:
             out = layer(
@@ -290,6 +377,8 @@ class EagleDraftHead(nn.Module):
     def grow(self, num_layers: int) -> "EagleDraftHead":
         """Append decoder layers that start as the identity (attention and MLP output projections
         zero: both residual branches add nothing), so predictions are unchanged until they train."""
+        if num_layers != self.num_layers and self.arch != "hybrid":
+            raise EaglespecError(f"arch {self.arch} has one layer; only a hybrid head grows")
         if num_layers < self.num_layers:
             raise EaglespecError(f"cannot shrink a {self.num_layers}-layer head to {num_layers} layers")
         layer_cls = type(self.layers[0])
@@ -307,6 +396,9 @@ class EagleDraftHead(nn.Module):
         """Feed the head these target layers' hidden states too; the new `fuse` starts at zero."""
         if list(aux_layers) == self.aux_layers:
             return self
+        if self.arch != "hybrid":
+            raise EaglespecError(f"arch {self.arch}: the aux layers are part of the architecture "
+                                 f"({self.aux_layers or 'none'}); only a hybrid head adds them")
         if self.aux_layers:
             raise EaglespecError(f"this head already fuses layers {self.aux_layers}; cannot change them to {aux_layers}")
         if any(not isinstance(i, int) or i < 0 for i in aux_layers) or len(set(aux_layers)) != len(aux_layers):
@@ -323,8 +415,22 @@ class EagleDraftHead(nn.Module):
         """Width of the target features this head reads: f_j, then the aux layers' hidden states."""
         return self.hidden_size * (1 + len(self.aux_layers))
 
+    @property
+    def predicts_features(self) -> bool:
+        """Whether `forward` predicts the target's next feature (trained by regression on it), or,
+        eagle3, a hidden state of its own that only its LM head reads."""
+        return self.arch != "eagle3"
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the draft vocabulary from its own features (training's soft labels)."""
+        if self.d2t is None:
+            return self.lm_head(features)
+        return torch.nn.functional.linear(features, self.draft_weight().to(features.dtype))
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary (the full one unless reduced): map ids with `d2t`."""
+        if self.draft_lm_head is not None:
+            return self.draft_lm_head(self.norm(features))
         if self.d2t is None:
             return self.lm_head(features)
         if self._w_draft is None or self._w_draft.device != features.device or self._w_draft.dtype != features.dtype:
@@ -359,6 +465,7 @@ class EagleDraftHead(nn.Module):
             "input_mode": self.input_mode,
             "draft_vocab_size": None if self.d2t is None else int(self.d2t.numel()),
             "aux_layers": self.aux_layers,
+            "arch": self.arch,
             "layer_config": target_cfg,
         }
 
@@ -375,14 +482,21 @@ class EagleDraftHead(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target: PreTrainedModel | None = None,
                         draft_vocab: str = "context") -> "EagleDraftHead":
-        """draft_vocab: "context" = the draft vocabulary the head was trained with, plus each
+        """A head folder in eaglespec's layout or another engine's (`formats`: official EAGLE-1,
+        SafeAILab EAGLE-3, speculators), or a hub repo id in the local cache.
+        draft_vocab: "context" = the draft vocabulary the head was trained with, plus each
         generation's prompt and text tokens (`add_context`); "head" = the trained one alone; "full" =
         every target token (its LM head is the target's, so no retraining: higher acceptance,
         costlier drafting)."""
         if draft_vocab not in DRAFT_VOCABS:
             raise ValueError(f"draft_vocab must be one of {DRAFT_VOCABS}, got {draft_vocab!r}")
-        path = Path(path)
-        cfg = read_head_config(path)
+        path = resolve(path)  # a folder, or a hub repo id in the local cache
+        layout = detect(path)  # eaglespec's own, or official EAGLE-1, SafeAILab EAGLE-3, speculators
+        if layout == "eaglespec":
+            cfg, state, record = read_head_config(path), read_weights(path), read_training_record(path)
+        else:
+            cfg, state = to_eaglespec(path, layout, None if target is None else target.config)
+            record = {"imported_from": layout}
         if target is not None:
             check_fit(cfg, target.config)
         layer_cfg_dict = dict(cfg["layer_config"])
@@ -392,13 +506,7 @@ class EagleDraftHead(nn.Module):
         except (ValueError, TypeError, KeyError) as e:
             raise CheckpointError(f"{path / 'config.json'}: layer_config is not a {model_type!r} config ({e})") from None
         layer_cfg._attn_implementation = "sdpa" if target is None else _draft_attention(target.config._attn_implementation)
-        weights = path / "model.safetensors"
-        try:
-            state = load_file(str(weights))
-        except FileNotFoundError:
-            raise CheckpointError(f"{weights}: missing (a head folder holds config.json and model.safetensors)") from None
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{weights}: not a readable safetensors file ({e})") from None
+        weights = path / "model.safetensors" if layout == "eaglespec" else path
         d2t = state.get("d2t")
         if d2t is not None and (d2t.dim() != 1 or d2t.numel() == 0 or d2t.is_floating_point()
                                 or int(d2t.min()) < 0 or int(d2t.max()) >= cfg["vocab_size"]):
@@ -411,8 +519,11 @@ class EagleDraftHead(nn.Module):
         num_layers = getattr(layer_cfg, "num_hidden_layers", 1) or 1
         if num_layers != len({k.split(".")[1] for k in state if k.startswith("layers.")}):
             raise CheckpointError(f"{weights}: the config's {num_layers} layers are not the file's")
+        arch = cfg.get("arch", "hybrid")
+        if arch not in ARCHS:
+            raise CheckpointError(f"{path / 'config.json'}: arch must be one of {ARCHS}, got {arch!r}")
         make = partial(cls, layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"), draft_vocab=d2t,
-                       num_layers=int(num_layers), aux_layers=aux_layers)
+                       num_layers=int(num_layers), aux_layers=aux_layers, arch=arch)
         with torch.device("meta"):  # the config's shapes, checked against the file's before anything is allocated
             own = {k: v.shape for k, v in make().state_dict().items() if not k.startswith("rotary.")}
         missing = sorted(set(own) - set(state))
@@ -423,14 +534,21 @@ class EagleDraftHead(nn.Module):
             if v.shape != own[k]:
                 raise CheckpointError(f"{weights}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k])}")
         head = make()
-        head.metadata = read_training_record(path)
+        head.metadata = record
         head.load_state_dict(state, strict=False)
-        if draft_vocab == "full":
-            head.d2t = None
-        head.context_vocab = draft_vocab == "context"
+        head.set_draft_policy(draft_vocab)
         if target is not None:
             head.bind(target)
         return head
+
+    def set_draft_policy(self, draft_vocab: str) -> None:
+        """Which tokens the head proposes (see `from_pretrained`). An eagle3 head's LM head has rows
+        for its trained vocabulary alone: it proposes exactly those."""
+        if self.draft_lm_head is not None:
+            return
+        if draft_vocab == "full":
+            self.d2t = None
+        self.context_vocab = draft_vocab == "context"
 
 
 def read_training_record(path: Path) -> dict[str, Any]:
@@ -448,12 +566,7 @@ def read_head_config(path: Path) -> dict[str, Any]:
     cfg_path = path / "config.json"
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such head folder")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{cfg_path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    cfg = read_json(cfg_path)
     if not isinstance(cfg, dict) or cfg.get("format") != HEAD_FORMAT:
         raise CheckpointError(f"{cfg_path}: not an eaglespec draft head (no \"format\": \"{HEAD_FORMAT}\")")
     version = cfg.get("format_version", 0)

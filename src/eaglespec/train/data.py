@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -138,6 +139,21 @@ def render(messages: list[dict], tokenizer, max_len: int) -> tuple[list[int], li
         if len(ids) >= max_len or m.get("truncated"):
             break
     return ids[:max_len], mask[:max_len]
+
+
+TOPICS = ("all", "code")  # which opening turns `regenerate` answers
+_CODE = re.compile(
+    r"```|\b(?:python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|php|ruby|sql|bash|html|css|"
+    r"react|node\.?js|django|flask|pandas|numpy|regex|api|json|function|class|method|code|script|program|"
+    r"compile|debug|bug|error|exception|algorithm|array|loop|variable|def|import|return)\b", re.IGNORECASE)
+
+
+def is_code_prompt(messages: list[dict]) -> bool:
+    """Whether an opening turn asks about programming: a code block or two programming words in its
+    user turn (one alone, e.g. "function" or "class", is as likely prose)."""
+    text = next((m["content"] for m in messages if m["role"] == "user"), "")
+    hits = _CODE.findall(text[:4000])
+    return "```" in hits or len({h.lower() for h in hits}) >= 2
 
 
 def split(conversations: list, seed: int = 0, heldout: int = 200) -> tuple[list, list]:

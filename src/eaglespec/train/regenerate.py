@@ -48,7 +48,7 @@ from tqdm import tqdm
 from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
 from ..spec.verify import SamplingParams
-from .data import SHAREGPT_FROM, dropped_first_turns, load_conversations, split
+from .data import SHAREGPT_FROM, TOPICS, dropped_first_turns, is_code_prompt, load_conversations, split
 from .extract import (DTYPES, aux_path, pack_shard, parse_layers, read_aux, read_shard, save_aux,
                       shard_files, unpack_shard)
 
@@ -78,6 +78,7 @@ class RegenerateConfig:
     aux_layers: str = ""  # with features_out: also these layers' hidden states (EAGLE-3 fusion), no extract pass
     temperature: float = 0.0  # 0: greedy answers; > 0: sampled (more contexts per prompt; see the docstring)
     sample_round: int = 0  # > 0: another random stream, for a new sampled set on prompts already answered
+    topic: str = "all"  # or "code": only opening turns that ask about programming (`data.is_code_prompt`)
 
 
 def _done_ids(path: Path) -> set[int]:
@@ -169,6 +170,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         raise EaglespecError(f"--heldout-every must be >= 1, got {cfg.heldout_every}")
     if cfg.prompts not in PROMPTS:
         raise EaglespecError(f"--prompts must be one of {PROMPTS}, got {cfg.prompts!r}")
+    if cfg.topic not in TOPICS:
+        raise EaglespecError(f"--topic must be one of {TOPICS}, got {cfg.topic!r}")
     if cfg.dtype not in DTYPES:
         raise EaglespecError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     sampling = SamplingParams(temperature=cfg.temperature)  # a bad one raises ValueError, as generate's does
@@ -188,6 +191,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     prompts = []
     for k, first in enumerate(openings[cfg.first_conversation: cfg.max_conversations], start=cfg.first_conversation):
         ids = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
+        if cfg.topic == "code" and not is_code_prompt(first):
+            continue
         if cfg.min_prompt_len <= len(ids) <= cfg.max_prompt_len:
             prompts.append((id0 + k, first, ids))
     done = _done_ids(out)

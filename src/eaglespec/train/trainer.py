@@ -5,6 +5,9 @@ Target: f_{j+1}.  loss = SmoothL1(f_hat_{j+1}, f_{j+1}) + w * CE(p_{j+2}, p_hat_
 p_{j+2} = softmax(LM_head(f_{j+1})) is the target's own distribution (a soft label).
 Only positions inside assistant turns carry loss.
 
+An ``eagle3`` head (``--arch eagle3``) predicts no feature: its loss is the CE term alone (weight 1),
+over unrolled steps (training-time test, ``--unroll``, 3 by default for it).
+
 Runs under ``accelerate launch`` unchanged (one process on CPU by default).
 """
 
@@ -27,7 +30,7 @@ from transformers import DynamicCache
 
 from ..spec.cache import KVCache
 from ..errors import CheckpointError, EaglespecError
-from ..spec.head import INPUT_MODES, EagleDraftHead, read_head_config, read_training_record
+from ..spec.head import ARCHS, INPUT_MODES, EagleDraftHead, eagle3_layers, read_head_config, read_training_record
 from ..io import atomic_torch_save, atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
 from ..spec.tree import float_mask
@@ -61,14 +64,20 @@ class TrainConfig:
         "EAGLE (f_j and t_{j+1}); feature+unshifted_token = f_j and t_j; feature = f_j alone; token = t_{j+1} "
         "alone (a token-level draft)"})
     init: str = ""  # a head folder to start from (weights and draft vocabulary), e.g. to train a shipped head further
-    unroll: int = 1  # training-time test: steps of the head fed its own predictions (1 = the paper)
+    arch: str = field(default="hybrid", metadata={
+        "choices": ARCHS, "help": "eagle1 = official EAGLE's head; eagle3 = EAGLE-3's (three fused target layers, "
+        "own LM head, token loss only); hybrid = eagle1's with a layer-0 input norm and optional --aux-layers"})
+    unroll: int = 0  # training-time test: steps of the head fed its own predictions (0: 1 = the paper; eagle3 3)
     unroll_decay: float = 0.8  # loss weight of step s is unroll_decay ** (s - 1)
     unroll_fraction: float = 0.25  # share of anchors whose chains train at steps >= 2
     layers: int = 0  # decoder layers of the head (0: the --init head's, else 1); more than --init's grows it
-    aux_layers: str = ""  # EAGLE-3 feature fusion: target layers fed to the head too, e.g. "3,15,27" ("": --init's)
+    aux_layers: str = ""  # EAGLE-3 feature fusion: target layers fed to the head too, e.g. "3,15,27" ("": --init's;
+    # eagle3: 2, L // 2, L - 3)
     revocab: bool = False  # with init: rebuild its draft vocabulary (its size, or --draft-vocab's) from this run's data
 
     def validate(self) -> None:
+        if self.unroll == 0:  # the architecture's own
+            self.unroll = 3 if self.arch == "eagle3" else 1
         checks = [("epochs", self.epochs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
                   ("batch_tokens", self.batch_tokens >= 1, ">= 1"), ("noise", self.noise >= 0, ">= 0"),
                   ("ce_weight", self.ce_weight >= 0, ">= 0"), ("reg_weight", self.reg_weight >= 0, ">= 0"),
@@ -76,9 +85,17 @@ class TrainConfig:
                   ("unroll_fraction", 0 < self.unroll_fraction <= 1, "in (0, 1]"), ("layers", self.layers >= 0, ">= 0"),
                   ("draft_vocab", self.draft_vocab >= -1, ">= -1 (-1: the --init head's, 0: all tokens)")]
         checks.append(("input_mode", self.input_mode in INPUT_MODES, "one of " + ", ".join(INPUT_MODES)))
+        checks.append(("arch", self.arch in ARCHS, "one of " + ", ".join(ARCHS)))
+        if self.arch != "hybrid":
+            checks.append(("input_mode", self.input_mode == INPUT_MODES[0], f"{INPUT_MODES[0]} for arch {self.arch}"))
+            checks.append(("layers", self.layers <= 1, f"0 or 1 for arch {self.arch}"))
+        if self.arch == "eagle1":
+            checks.append(("aux_layers", not self.aux_layers, "empty for an eagle1 head"))
         for name, ok, want in checks:
             if not ok:
                 raise EaglespecError(f"{name} must be {want}, got {getattr(self, name)}")
+        if self.arch == "eagle3" and self.ce_weight == 0:
+            raise EaglespecError("an eagle3 head trains on the token loss alone: ce_weight must be > 0")
         if self.ce_weight + self.reg_weight == 0:
             raise EaglespecError("ce_weight and reg_weight are both 0: there is nothing to train on")
         if self.revocab and not self.init:
@@ -180,7 +197,8 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
                reg_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
     """ids, feats, mask: (B, T[, H]). The shift: input (f_j, t_{j+1}) -> prediction of f_{j+1} (the
     head's `input_mode` may read t_j instead, or zero one input).
-    Loss per step: `reg_weight` * SmoothL1(f_hat, f) + `ce_weight` * CE(target's distribution, draft's).
+    Loss per step: `reg_weight` * SmoothL1(f_hat, f) + `ce_weight` * CE(target's distribution, draft's);
+    CE alone for a head that predicts no feature (eagle3).
 
     With `unroll` = k > 1 (training-time test, as in HASS / EAGLE-3): step s = 2..k feeds the head its
     own step s-1 predictions, exactly as drafting does (anchor j sees the real prefix up to j and its
@@ -200,7 +218,7 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
     # LM-head products only where the loss is (assistant tokens): they dominate a step on CPU, and
     # prompts and padding are a quarter or more of the positions. Soft labels once, for every step.
     with torch.no_grad():
-        p_target = core.logits(feats[:, 1:][keep]).float().softmax(-1)
+        p_target = core.target_logits(feats[:, 1:][keep]).float().softmax(-1)
         arg_target = p_target.argmax(-1)
     row = torch.full((B, T), -1, dtype=torch.long, device=ids.device)
     row[keep] = torch.arange(int(keep.sum()), device=ids.device)
@@ -212,13 +230,17 @@ def eagle_loss(head: EagleDraftHead, ids: torch.Tensor, feats: torch.Tensor, mas
         k = (r >= 0) & (idx + s <= T)
         m = k.float()
         denom = m.sum().clamp_min(1.0)
-        reg = (F.smooth_l1_loss(pred, feats[:, 1:][:, at], reduction="none").mean(-1) * m).sum() / denom
+        if core.predicts_features:
+            reg = (F.smooth_l1_loss(pred, feats[:, 1:][:, at], reduction="none").mean(-1) * m).sum() / denom
+        else:
+            reg = torch.zeros((), device=pred.device)
         # step 1 predicts every loss position, in order: its soft labels need no gather (a copy of
         # a positions x draft-vocabulary matrix)
         p, arg = (p_target, arg_target) if s == 1 else (p_target[r[k]], arg_target[r[k]])
         logits = core.logits(pred[k]).float()
         ce = F.cross_entropy(logits, p, reduction="sum") / denom  # soft labels: -sum p log softmax, fused
-        total = total + unroll_decay ** (s - 1) * (reg_weight * reg + ce_weight * ce)
+        step_loss = reg_weight * reg + ce_weight * ce if core.predicts_features else ce
+        total = total + unroll_decay ** (s - 1) * step_loss
         with torch.no_grad():
             acc = (logits.argmax(-1) == arg).float().sum() / denom
         if s == 1:
@@ -345,6 +367,8 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         p.requires_grad_(False)
     aux_layers = parse_layers(cfg.aux_layers) or (read_head_config(Path(cfg.init)).get("aux_layers") or []
                                                    if cfg.init else [])
+    if cfg.arch == "eagle3" and not aux_layers:
+        aux_layers = eagle3_layers(target.config.num_hidden_layers)
     train_set = load_split(*(d / "train" for d in feats_dirs), aux_layers=aux_layers)
     held = load_split(feats_dirs[0] / "heldout", aux_layers=aux_layers)
     widths = {f.shape[-1] for f in train_set.feats}
@@ -369,6 +393,9 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         torch.manual_seed(cfg.seed)
         if cfg.init:
             head = EagleDraftHead.from_pretrained(cfg.init, target)  # checks that it fits the target
+            if head.arch != cfg.arch:
+                raise EaglespecError(f"{cfg.init} has arch {head.arch}; --arch {cfg.arch} would train another "
+                                     "architecture: start it without --init")
             if head.input_mode != cfg.input_mode:
                 raise EaglespecError(f"{cfg.init} reads {head.input_mode}; --input-mode {cfg.input_mode} would "
                                      "train another head: start it without --init")
@@ -390,7 +417,8 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
             always = eos_ids(tok, target)
             d2t = draft_vocabulary(train_set.token_counts, 8192 if cfg.draft_vocab < 0 else cfg.draft_vocab, always)
             head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t,
-                                  num_layers=max(1, cfg.layers), aux_layers=aux_layers).bind(target)
+                                  num_layers=max(1, cfg.layers), aux_layers=aux_layers, arch=cfg.arch).bind(target)
+            head.warm_start(target)
         state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
         if cfg.init and acc.is_main_process:  # the baseline this run must beat, on the same held-out set
             accs = unroll_accuracy(head, held, cfg.eval_conversations, cfg.eval_steps)
