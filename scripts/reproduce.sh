@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The paper's ablations on this machine, written to REPRODUCTION.md beside the paper's numbers:
 #   input modes (Fig. 8), fixed vs target-generated data (Table 6), feature noise, tree vs chain
-#   (Table 5), batch sizes (Table 7).
+#   (Table 5), batch sizes (Table 7); and the head architectures (EAGLE-1's, EAGLE-3's, the hybrid
+#   with fused layers) on the same data and budget.
 #
 #   scripts/reproduce.sh [--quick]
 #
@@ -27,10 +28,12 @@ STAGES=${STAGES:-"data train eval tree batch report"}
 MODEL=smollm2-135m-instruct
 TRAIN=(--epochs "$EPOCHS" --batch-tokens 2048 --lr 5e-4 --draft-vocab 8192 --seed 0 --save-every 100
        --eval-conversations 16 --eval-steps 3)
-# name: input mode, data folder, noise
-RUNS="eagle:feature+shifted_token:target:0.1 unshifted:feature+unshifted_token:target:0.1
-      feature:feature:target:0.1 token:token:target:0.1 fixed:feature+shifted_token:fixed:0.1
-      no-noise:feature+shifted_token:target:0"
+AUX=2,15,27  # EAGLE-3's low, mid and high layers of SmolLM2's 30
+# name: input mode, data folder, noise, architecture, fused layers
+RUNS="eagle:feature+shifted_token:target:0.1:hybrid: unshifted:feature+unshifted_token:target:0.1:hybrid:
+      feature:feature:target:0.1:hybrid: token:token:target:0.1:hybrid: fixed:feature+shifted_token:fixed:0.1:hybrid:
+      no-noise:feature+shifted_token:target:0:hybrid: eagle1:feature+shifted_token:target:0.1:eagle1:
+      eagle3:feature+shifted_token:target:0.1:eagle3:$AUX hybrid-fused:feature+shifted_token:target:0.1:hybrid:$AUX"
 mkdir -p "$OUT"
 echo "reproduce: $OUT (conversations $CONVS, answers <= $NEW tokens, $EPOCHS epochs)" >&2
 for stage in $STAGES; do
@@ -44,17 +47,20 @@ for stage in $STAGES; do
       # one held-out set for every run: the target's own answers, what a head meets when drafting
       if [ ! -L "$OUT/data/fixed/heldout" ]; then
         rm -rf "$OUT/data/fixed/heldout" && ln -s ../target/heldout "$OUT/data/fixed/heldout"
-      fi ;;
+      fi
+      # the fused heads' aux layers, from the same tokens
+      eaglespec extract --model $MODEL --out "$OUT/data/target" --aux-layers $AUX --aux-only ;;
     train)
       for run in $RUNS; do
-        IFS=: read -r name mode data noise <<< "$run"
+        IFS=: read -r name mode data noise arch aux <<< "$run"
         if [ -f "$OUT/runs/$name/head/config.json" ]; then continue; fi
         eaglespec train --features "$OUT/data/$data" --out "$OUT/runs/$name" --input-mode "$mode" --noise "$noise" \
-          "${TRAIN[@]}"
+          --arch "$arch" --aux-layers "$aux" "${TRAIN[@]}"
       done ;;
     eval)   # each head on MT-bench first turns, T = 0: the paper's tree and a chain, with their speedups
       for run in $RUNS; do
-        IFS=: read -r name mode data noise <<< "$run"
+        IFS=: read -r name _ <<< "$run"
+        if [ -f "$OUT/eval/$name/results.json" ]; then continue; fi
         eaglespec bench --head "$OUT/runs/$name/head" --dataset mt_bench --first-turn-only --limit "$LIMIT" --spread \
           --temperature 0 --tree paper --chain chain:4 --methods vanilla,eagle,eagle-chain --out "$OUT/eval/$name"
       done ;;

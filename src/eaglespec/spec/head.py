@@ -144,12 +144,12 @@ class EagleDraftHead(nn.Module):
         if arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
         if arch != "hybrid" and (num_layers != 1 or input_mode != INPUT_MODES[0]):
-            raise ValueError(f"arch {arch}: a head of one layer that and reads {INPUT_MODES[0]}")
+            raise ValueError(f"arch {arch}: a head of one layer that reads {INPUT_MODES[0]}")
         if arch == "eagle1" and aux_layers:
             raise ValueError("an eagle1 head reads no aux layers (eagle3 and hybrid do)")
         if arch == "eagle3" and not aux_layers:
             aux_layers = eagle3_layers(target_config.num_hidden_layers)
-            if aux_layers != sorted(set(aux_layers)) or aux_layers[0] < 0:
+            if aux_layers != sorted(aux_layers) or aux_layers[0] < 0:
                 raise ValueError(f"a target of {target_config.num_hidden_layers} layers is too shallow for EAGLE-3's "
                                  "default aux layers (2, L // 2, L - 3): name three")
         self.arch = arch

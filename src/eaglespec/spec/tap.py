@@ -71,4 +71,6 @@ class HiddenStateTap:
         """The wanted layers' states from the decoder output `out` of the forward just run."""
         if self._compiled():
             return [out.hidden_states[i] for i in layers]
-        return [out.last_hidden_state if i == self.depth else self._seen.pop(i) for i in layers]
+        states = [out.last_hidden_state if i == self.depth else self._seen[i] for i in layers]  # a layer may repeat
+        self._seen.clear()
+        return states
