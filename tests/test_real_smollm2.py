@@ -322,3 +322,33 @@ def test_server_chat_is_vanilla_decoding(smol):
     van = eng.generate(chat(tok, PROMPTS[1]), 48, method="vanilla", eos_token_ids=eos_ids(tok, model))
     assert got["choices"][0]["message"]["content"] == tok.decode(van.token_ids, skip_special_tokens=True)
     assert got["usage"]["completion_tokens"] == len(van.token_ids) and got["eaglespec"]["tau"] > 1.5
+
+
+def test_official_eagle_reads_an_exported_eagle1_head_of_the_real_model(smol, tmp_path):
+    """eagle-llm loads an exported SmolLM2 eagle1 head strictly and computes eaglespec's draft
+    features (its forked Llama ignores rope_theta: both rotary tables are set to SmolLM2's 1e5, as a
+    user of official EAGLE with this target must)."""
+    try:
+        from eagle.model.ea_model import EaModel
+    except ImportError:
+        pytest.skip("eagle-llm is not installed (pip install --no-deps eagle-llm==1.2.1)")
+    from eaglespec.models import converted_path, load_target
+    from eaglespec.spec.formats import export_head
+
+    _, tok = smol
+    model, _ = load_target("smollm2-135m-instruct", packed=False)
+    torch.manual_seed(0)
+    head = EagleDraftHead(model.config, arch="eagle1").bind(model).eval()
+    export_head(head, "eagle1", tmp_path / "e1", model.config)
+    ea = EaModel.from_pretrained(base_model_path=str(converted_path("smollm2-135m-instruct")),
+                                 ea_model_path=str(tmp_path / "e1"), dtype=torch.float32).eval()
+    rot = ea.ea_layer.layers[0].self_attn.rotary_emb
+    rot.inv_freq = 1.0 / (model.config.rope_theta ** (torch.arange(0, rot.dim, 2).float() / rot.dim))
+    rot._set_cos_sin_cache(rot.max_seq_len_cached, rot.inv_freq.device, torch.float32)
+    x = torch.tensor([chat(tok, PROMPTS[2])])
+    with torch.no_grad():
+        f = model.model(input_ids=x).last_hidden_state
+        nxt = torch.roll(x, -1, 1)
+        ours = head(f, nxt, torch.arange(x.shape[1])[None])
+        torch.testing.assert_close(ea.ea_layer(f, nxt), ours, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ea.base_model.lm_head(ours), head.logits(ours), atol=1e-4, rtol=1e-4)

