@@ -436,7 +436,9 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     lengths = [x.numel() for x in train_set.ids]
     per_epoch = [epoch_batches(lengths, cfg.batch_tokens, cfg.seed, e) for e in range(cfg.epochs)]
     schedule = [(e, b) for e in range(cfg.epochs) for b in per_epoch[e]]
-    schedule = schedule[acc.process_index::acc.num_processes]
+    # every process takes the same number of batches: a step's gradients are averaged across them,
+    # and one with a step more would wait for the others forever (the last few batches are dropped)
+    schedule = schedule[acc.process_index::acc.num_processes][: len(schedule) // acc.num_processes]
     total = len(schedule)  # the LR schedule spans all epochs; max_steps only stops early
     stop = min(cfg.max_steps, total) if cfg.max_steps else total
     step = state["step"]
