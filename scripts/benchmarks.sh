@@ -100,6 +100,9 @@ for stage in $STAGES; do
         --methods vanilla,eagle,hf,llamacpp --out "$OUT/int8" ;;
     serve)     # the server under 1, 4, 8 concurrent clients: one request at a time vs continuous batching
       python -m eaglespec.bench.serving --out "$OUT/serve" ;;
+    engines)   # the same heads in official EAGLE, vLLM and llama.cpp (prepared by scripts/engines.sh), beside eaglespec
+      python -m eaglespec.bench.engines --eagle3-head "${EAGLE3_HEAD:-eagle3}" --eagle1-head "${EAGLE1_HEAD:-eagle1}" \
+        --limit "$N" --out "$OUT/engines" ;;
     tau)       # the model card's acceptance: 80 MT-bench first turns, paper tree, T=0
       K=$(fp32_kernels)
       eaglespec bench $K --dataset mt_bench --first-turn-only --temperature 0 --tree paper \

@@ -27,7 +27,12 @@ RUNS = {  # name -> (what differs from EAGLE, input mode, data, noise)
     "token": ("t_{j+1} alone (token-level draft)", "token", "target", 0.1),
     "fixed": ("fixed data (ShareGPT's answers)", "feature+shifted_token", "fixed", 0.1),
     "no-noise": ("no feature noise", "feature+shifted_token", "target", 0.0),
+    "eagle1": ("official EAGLE-1's head (no layer-0 input norm)", "feature+shifted_token", "target", 0.1),
+    "hybrid-fused": ("the hybrid, target layers 2, 15, 27 fused", "feature+shifted_token", "target", 0.1),
+    "eagle3": ("EAGLE-3's head (layers 2, 15, 27; own LM head; token loss, 3-step training-time test)",
+               "feature+shifted_token", "target", 0.1),
 }
+ARCHS = ("eagle1", "eagle", "hybrid-fused", "eagle3")  # the architecture comparison, on the same data and budget
 # the paper's numbers (Vicuna 7B / LLaMA2-Chat 7B, MT-bench, T = 0, A100)
 PAPER_FIG8 = {"eagle": 2.8, "unshifted": 2.1, "feature": 1.9, "token": 1.5}  # speedup, Vicuna 7B
 PAPER_TABLE6 = {"fixed": (2.78, 3.62), "eagle": (2.88, 3.75)}  # (speedup, tau), LLaMA2-Chat 7B
@@ -113,9 +118,9 @@ def report(run: Path, out: Path) -> None:
         t = target.get("train", {}).get("tokens") if "train" in target else None
         data_line = f" Data: the target's answers ({t or '?'} tokens with prompts), ShareGPT's ({fixed['train']['tokens']:,})."
     lines += ["## The heads and their budget", "",
-              "Six heads, one decoder layer each (EAGLE-1's inputs, no fusion), an 8,192-token draft vocabulary, the",
-              "same ShareGPT prompts, answers of the same lengths in tokens, the same steps, learning rate and seed;",
-              "each differs from `eagle` in one thing. Held-out accuracy is the head's top-1 agreement with the",
+              f"{len(RUNS)} heads, one decoder layer each, an 8,192-token draft vocabulary, the same ShareGPT prompts,",
+              "answers of the same lengths in tokens, the same steps, learning rate and seed; each differs from",
+              "`eagle` (the hybrid head: EAGLE-1's inputs, no fusion) in one thing. Held-out accuracy is the head's top-1 agreement with the",
               "target on the target's own answers to held-out prompts (step 1: the next token from a real feature;",
               "step 2: from the head's own predicted feature)." + data_line, ""]
     if budget:
@@ -170,6 +175,21 @@ def report(run: Path, out: Path) -> None:
               f"| U(-0.1, 0.1) | {_f(e['acc1'], 3)} | {_f(e['acc2'], 3)} | {_f(e['tau_tree'])} | {_f(e['tau_chain'])} |",
               f"| none | {_f(nn['acc1'], 3)} | {_f(nn['acc2'], 3)} | {_f(nn['tau_tree'])} | {_f(nn['tau_chain'])} |",
               "", _verdict_noise(e, nn), ""]
+    # architectures
+    lines += ["## Head architectures: EAGLE-1's, EAGLE-3's and the hybrid", "",
+              "The same data and budget; the hybrid is EAGLE-1's head with a layer-0 input norm (and, fused, the",
+              "target's layers 2, 15 and 27 added through a zero-initialised projection); EAGLE-3's head reads those",
+              "layers instead of the target's last feature and predicts tokens with its own LM head. "
+              f"EAGLE-3's head: `eaglespec bench` {_stamp(evals['eagle3'])}.", "",
+              "| head | held-out acc step 1 | step 2 | step 3 | tau, paper tree | tau, chain:4 | speedup, chain:4 |",
+              "|---|---|---|---|---|---|---|"]
+    for name in ARCHS:
+        st, m = logs[name], measured[name]
+        acc = st["evals"][-1]["unroll_acc"] if st and st.get("evals") else []
+        acc3 = acc[2] if len(acc) > 2 else None
+        lines.append(f"| {name}: {RUNS[name][0]} | {_f(m['acc1'], 3)} | {_f(m['acc2'], 3)} | {_f(acc3, 3)} | "
+                     f"{_f(m['tau_tree'])} | {_f(m['tau_chain'])} | {_f(m['speed_chain'], 2, 'x')} |")
+    lines += ["", _verdict_arch(measured), ""]
     # Table 5
     tr = _load(run / "tree" / "results.json")
     lines += ["## Tree vs chain (paper Table 5), the shipped head", "", f"`eaglespec bench` {_stamp(tr)}.", "",
@@ -222,6 +242,24 @@ def _verdict_fig8(m: dict) -> str:
                 "feature-level autoregression has not yet paid off; the shipped head, trained on ~170x more tokens "
                 "(37 M), reaches tau 2.9 with the same tree.")
     return out
+
+
+def _verdict_arch(m: dict) -> str:
+    e1, hy, hf, e3 = (m[n] for n in ARCHS)
+    if None in (e1["tau_tree"], hf["tau_tree"], e3["tau_tree"]):
+        return "Not every architecture was measured."
+    best = max(ARCHS, key=lambda n: m[n]["tau_tree"])
+    out = (f"By tau on the paper's tree: {' > '.join(sorted(ARCHS, key=lambda n: -m[n]['tau_tree']))}. "
+           f"The layer-0 input norm of the hybrid against official EAGLE-1's head: tau {hy['tau_tree']:.2f} vs "
+           f"{e1['tau_tree']:.2f}. ")
+    gap = hf["tau_tree"] - e3["tau_tree"]
+    if gap > 0.05:
+        out += (f"The fused hybrid beats EAGLE-3's head by {gap:+.2f} tau at this budget, so it stays; "
+                "EAGLE-3's head is kept for the engines that read only EAGLE-3's layout.")
+    else:
+        out += (f"EAGLE-3's head matches or beats the fused hybrid ({-gap:+.2f} tau): the hybrid has no measured "
+                "advantage at this budget.")
+    return out + f" Best here: {best}."
 
 
 def _verdict_table6(e: dict, fx: dict) -> str:

@@ -162,8 +162,27 @@ def serve_table(run: Path, result: dict) -> list[str]:
     return out + [""]
 
 
+def engines_table(run: Path, result: dict) -> list[str]:
+    from eaglespec.bench.engines import report
+
+    out = ["### Engine against engine (the same heads in other EAGLE engines)", "",
+           "`python -m eaglespec.bench.engines` (`scripts/benchmarks.sh` stage `engines`; the engines prepared by "
+           "`scripts/engines.sh`): each engine's plain decoding and its EAGLE decoding with the same SmolLM2 head, "
+           "exported to the engine's layout (official EAGLE: the eagle1 head; the others: the eagle3 head). "
+           "Each engine's EAGLE output is compared with its own plain output; official EAGLE and vLLM run the "
+           "fp32 target, llama.cpp the packaged Q4_1 GGUF (eaglespec's int4-q8 rows are its match).", "",
+           *report(result).splitlines()]
+    plot = run / "engines" / "speedup.png"
+    if plot.is_file():
+        name = f"engines_{slug(result['machine']['cpu'])}.png"
+        DOCS.mkdir(exist_ok=True)
+        shutil.copyfile(plot, DOCS / name)
+        out += ["", f"![tokens/s of each engine, plain and EAGLE](docs/{name})"]
+    return out + [""]
+
+
 def host_section(run: Path) -> tuple[str, str]:
-    results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80", "serve")}
+    results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80", "serve", "engines")}
     first = next((r for r in results.values() if r is not None), None)
     if first is None:
         sys.exit(f"no results.json under {run}")
@@ -188,6 +207,8 @@ def host_section(run: Path) -> tuple[str, str]:
         lines += tau_table(results["tau80"])
     if results["serve"]:
         lines += serve_table(run, results["serve"])
+    if results["engines"]:
+        lines += engines_table(run, results["engines"])
     return kind, "\n".join(lines).rstrip() + "\n"
 
 

@@ -197,3 +197,19 @@ def test_official_eagle_decodes_an_exported_eagle1_head(tmp_path):
     ref = hf_greedy(model, prompt, len(out))
     assert out == ref and len(out) >= 30
     assert Engine(model, head, tree="paper").generate(prompt, len(out)).token_ids == ref
+
+
+def test_engine_table_rows_read_each_engines_own_counts():
+    from eaglespec.bench.engines import _llama_counts, row
+
+    spec_log = ("0.01 I encoded   33 tokens in    0.135 seconds, speed:  244.651 t/s\n"
+                "0.01 I decoded   13 tokens in    0.355 seconds, speed:   36.625 t/s\n")
+    assert _llama_counts(spec_log) == (13, 0.135 + 0.355)
+    plain_log = ("common_perf_print: prompt eval time =     338.67 ms /    33 tokens (   10.26 ms per token)\n"
+                 "common_perf_print:        eval time =    1098.49 ms /    23 runs   (   47.76 ms per token)\n")
+    assert _llama_counts(plain_log) == (24, (338.67 + 1098.49) / 1000)
+    assert _llama_counts("nothing here") is None
+    r = row("x", "fp32", "h", [([1, 2, 3, 4], 4, 2.0)], [([1, 2, 3, 4], 4, 1.0)], [2])
+    assert r["plain_tokens_per_s"] == 2.0 and r["eagle_tokens_per_s"] == 4.0 and r["speedup"] == 2.0
+    assert r["tau"] == 2.0 and r["equal_to_own_plain"]
+    assert not row("x", "fp32", "h", [([1], 1, 1.0)], [([2], 1, 1.0)], None)["equal_to_own_plain"]

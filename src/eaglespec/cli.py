@@ -65,7 +65,8 @@ def _add_head(p: argparse.ArgumentParser) -> None:
     """Which draft head, and which tokens it may propose: --head, --draft-vocab."""
     from .spec.head import DRAFT_VOCABS
 
-    p.add_argument("--head", default=None, help="draft head folder (default: the shipped head for --model)")
+    p.add_argument("--head", default=None, help="draft head folder or hub id (default: the head shipped for --model; "
+                   "eagle1 / eagle3: its shipped head of that architecture)")
     p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="context", help=DRAFT_VOCAB_HELP)
 
 
@@ -270,7 +271,7 @@ def _load_engine(a: argparse.Namespace):
     model, tok = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed, compile=a.compile)
     head = None
     if a.method == "eagle":
-        head_path = a.head or default_head(a.model)
+        head_path = default_head(a.model, a.head)
         if head_path is None:
             raise EaglespecError(f"no draft head shipped for {a.model}; pass --head PATH or --method vanilla")
         head = EagleDraftHead.from_pretrained(head_path, model, draft_vocab=a.draft_vocab)
@@ -452,7 +453,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     if a.compare:
         return _compare_profiles(a.compare, a.out)
     model, _ = load_target(a.model, device=a.device, quantize=a.quantize, packed=a.packed, compile=a.compile)
-    head_path = a.head or default_head(a.model)
+    head_path = default_head(a.model, a.head)
     head = EagleDraftHead.from_pretrained(head_path, model, draft_vocab=a.draft_vocab) if head_path else None
     eng = Engine(model, head, tree="auto")
     prof = costmodel.measure(eng, context=a.context, repeats=a.repeats)
@@ -515,7 +516,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         temps = tuple(float(t) for t in a.temperature.split(","))
     except ValueError:
         raise EaglespecError(f"--temperature must be a comma list of numbers, got {a.temperature!r}") from None
-    head = a.head or default_head(a.model)
+    head = default_head(a.model, a.head)
     if head is None and any(m.startswith("eagle") for m in methods):
         raise EaglespecError(f"no draft head for {a.model}: pass --head or drop the eagle methods")
     if a.max_new_tokens < 1:

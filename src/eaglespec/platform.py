@@ -78,7 +78,15 @@ def unsupported_transformers(version: str | None = None) -> str | None:
 SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
 
 
-def default_head(model: str) -> str | None:
-    """The head shipped in the package for a registered model, or None."""
-    path = SHIPPED_HEADS / model.lower()
+SHIPPED_ARCHS = ("hybrid", "eagle1", "eagle3")  # heads/<model> is the hybrid, heads/<model>-<arch> the others
+
+
+def default_head(model: str, head: str | None = None) -> str | None:
+    """The head to use: `head` itself (a folder or hub id), or the head shipped in the package for a
+    registered model (`head` None: the default one; "eagle1" / "eagle3" / "hybrid": that
+    architecture's, unless a folder of that name exists), or None where none is shipped."""
+    if head is not None and (head not in SHIPPED_ARCHS or Path(head).exists()):
+        return head
+    name = model.lower() if head in (None, "hybrid") else f"{model.lower()}-{head}"
+    path = SHIPPED_HEADS / name
     return str(path) if (path / "config.json").is_file() else None

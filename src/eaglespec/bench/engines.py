@@ -1,6 +1,6 @@
 """The same heads in other EAGLE engines, beside eaglespec, on the same prompts (engine against engine).
 
-    python -m eaglespec.bench.engines --eagle3-head H3 --eagle1-head H1 --out DIR [--limit 8] [--k 3]
+    python -m eaglespec.bench.engines --out DIR [--eagle3-head H3] [--eagle1-head H1] [--limit 8] [--k 3]
 
 Each engine decodes the same MT-bench first turns (SmolLM2's chat template, greedy, `--max-new-tokens`)
 twice: plainly, and with EAGLE drafting `--k` tokens a round (a chain); it is timed end to end
@@ -40,6 +40,7 @@ from ..errors import EaglespecError
 from ..interop import engines_dir, export_gguf, llama_cpp_dir
 from ..io import atomic_write_json, atomic_write_text
 from ..models import Engine, converted_path, eos_ids, gguf_path, load_target
+from ..platform import default_head
 from ..spec.formats import export_head
 from ..spec.head import EagleDraftHead
 from ..spec.verify import SamplingParams
@@ -269,8 +270,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--eagle3-head", required=True, help="an eagle3 head of SmolLM2 (vLLM, llama.cpp, eaglespec)")
-    ap.add_argument("--eagle1-head", required=True, help="an eagle1 head of SmolLM2 (official EAGLE)")
+    ap.add_argument("--eagle3-head", default="eagle3", help="an eagle3 head of SmolLM2 for vLLM, llama.cpp and "
+                    "eaglespec (default: the shipped one)")
+    ap.add_argument("--eagle1-head", default="eagle1", help="an eagle1 head of SmolLM2 for official EAGLE "
+                    "(default: the shipped one)")
     ap.add_argument("--engines", default="eaglespec,official,vllm,llama.cpp")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--k", type=int, default=3, help="draft tokens a round (a chain)")
@@ -278,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    a.eagle3_head, a.eagle1_head = default_head(MODEL, a.eagle3_head), default_head(MODEL, a.eagle1_head)
+    if a.eagle3_head is None or a.eagle1_head is None:
+        raise SystemExit(f"eaglespec: error: no shipped eagle3 / eagle1 head for {MODEL}: give the head folders")
     _, tok = load_target(MODEL, packed=False)
     texts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                      tokenize=False) for q in load_questions("mt_bench", a.limit, spread=True)]
