@@ -469,11 +469,13 @@ class EagleDraftHead(nn.Module):
             "layer_config": target_cfg,
         }
 
-    def save_pretrained(self, path: str | os.PathLike) -> None:
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """config.json, model.safetensors (the weights in `dtype` if given, e.g. bfloat16 to ship half
+        the bytes: loading casts them to the target's dtype) and the training record."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()
-                 if not k.startswith("rotary.")}
+        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().to("cpu").contiguous()
+                 for k, v in self.state_dict().items() if not k.startswith("rotary.")}
         atomic_save_safetensors(state, path / "model.safetensors")
         atomic_write_json(self.config_dict(), path / "config.json")
         if self.metadata:  # how it was trained: beside the configuration, not in it
