@@ -82,7 +82,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help="write a draft head in another engine's layout (official EAGLE, "
                        "SafeAILab EAGLE-3, speculators / vLLM, GGUF / llama.cpp)")
-    p.add_argument("head", help="the head folder (any layout eaglespec reads, or a hub repo id in the local cache)")
+    p.add_argument("head", help="the head folder (any layout eaglespec reads), a hub repo id in the local cache, "
+                   "or eagle1 / eagle3: the head of that architecture shipped for --model")
     p.add_argument("--format", required=True, choices=[*LAYOUTS, "gguf"],
                    help="eagle1: official EAGLE (eagle-llm); eagle3: SafeAILab EAGLE-3 (SGLang reads it too); "
                         "speculators: vLLM's; gguf: llama.cpp's EAGLE-3 (runs llama.cpp's converter)")
@@ -429,7 +430,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     from .spec.head import EagleDraftHead
 
     model, _ = load_target(a.model, packed=False)
-    head = EagleDraftHead.from_pretrained(a.head, model, draft_vocab="head")
+    head = EagleDraftHead.from_pretrained(default_head(a.model, a.head), model, draft_vocab="head")
     dtype = getattr(torch, a.dtype)
     if a.format == "gguf":
         from .interop import export_gguf
