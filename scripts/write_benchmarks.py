@@ -153,13 +153,20 @@ def serve_table(run: Path, result: dict) -> list[str]:
         eq = {True: "yes", False: "**NO**", None: "n/a"}[r.get("greedy_equal")]
         out.append(f"| {r['clients']} | {r['setting']} | {r['tokens_per_s']:.1f} | {fx(r['vs_one_at_a_time'])} | "
                    f"{r['p50_latency_s']:.2f} s | {r['p95_latency_s']:.2f} s | {eq} |")
-    plot = run / "serve" / "serving.png"
-    if plot.is_file():
-        name = f"serving_{slug(result['machine']['cpu'])}.png"
-        DOCS.mkdir(exist_ok=True)
-        shutil.copyfile(plot, DOCS / name)
-        out += ["", f"![aggregate tokens/s and p95 latency by clients](docs/{name})"]
-    return out + [""]
+    image = picture(run, "serve/serving.png", "serving", result["machine"]["cpu"],
+                    "aggregate tokens/s and p95 latency by clients")
+    return out + ([""] + image if image else []) + [""]
+
+
+def picture(run: Path, stage_file: str, prefix: str, kind: str, alt: str) -> list[str]:
+    """The stage's PNG copied to docs/ under a per-host name, as a Markdown image line ([] if none)."""
+    plot = run / stage_file
+    if not plot.is_file():
+        return []
+    name = f"{prefix}_{slug(kind)}.png"
+    DOCS.mkdir(exist_ok=True)
+    shutil.copyfile(plot, DOCS / name)
+    return [f"![{alt}](docs/{name})"]
 
 
 def engines_table(run: Path, result: dict) -> list[str]:
@@ -172,13 +179,8 @@ def engines_table(run: Path, result: dict) -> list[str]:
            "Each engine's EAGLE output is compared with its own plain output; official EAGLE and vLLM run the "
            "fp32 target, llama.cpp the packaged Q4_1 GGUF (eaglespec's int4-q8 rows are its match).", "",
            *report(result).splitlines()]
-    plot = run / "engines" / "speedup.png"
-    if plot.is_file():
-        name = f"engines_{slug(result['machine']['cpu'])}.png"
-        DOCS.mkdir(exist_ok=True)
-        shutil.copyfile(plot, DOCS / name)
-        out += ["", f"![tokens/s of each engine, plain and EAGLE](docs/{name})"]
-    return out + [""]
+    image = picture(run, "engines/speedup.png", "engines", result["machine"]["cpu"], "tokens/s of each engine, plain and EAGLE")
+    return out + ([""] + image if image else []) + [""]
 
 
 def host_section(run: Path) -> tuple[str, str]:
@@ -190,12 +192,8 @@ def host_section(run: Path) -> tuple[str, str]:
     lines = [f"<!-- host: {kind} -->", f"## {kind}", ""]
     if results["main"]:
         lines += speed_tables(results["main"], "fp32 target (exact codes): the four sets")
-        plot = run / "main" / "speedup.png"
-        if plot.is_file():
-            name = f"bench_speedup_{slug(kind)}.png"
-            DOCS.mkdir(exist_ok=True)
-            shutil.copyfile(plot, DOCS / name)
-            lines += [f"![speedup over vanilla, fp32 target, {kind}](docs/{name})", ""]
+        image = picture(run, "main/speedup.png", "bench_speedup", kind, f"speedup over vanilla, fp32 target, {kind}")
+        lines += image + ([""] if image else [])
     if results["int4-q8"]:
         lines += speed_tables(results["int4-q8"], "int4-q8 target (`--quantize fastest` with AVX512-VNNI)")
     if results["ablation"]:

@@ -39,7 +39,6 @@ import torch
 
 from ..errors import EaglespecError
 from ..interop import engines_dir, export_gguf, llama_cpp_dir
-from ..io import atomic_write_json, atomic_write_text
 from ..cpu.quant import target_kernels
 from ..models import Engine, converted_path, eos_ids, gguf_path, load_target
 from ..platform import default_head
@@ -47,7 +46,7 @@ from ..spec.formats import export_head
 from ..spec.head import EagleDraftHead
 from ..spec.verify import SamplingParams
 from .datasets import load_questions
-from .harness import machine
+from .harness import machine, write_run
 
 MODEL = "smollm2-135m-instruct"
 
@@ -364,11 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             result["speculators"] = check_speculators(prompts[0], a.eagle3_head)
         except EaglespecError as e:
             result["speculators"] = {"error": str(e)}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(result, out / "results.json")
-    atomic_write_text(report(result), out / "report.md")
-    plot(result, out / "speedup.png")
+    write_run(Path(a.out), result, report(result), "report.md", lambda png: plot(result, png), "speedup.png")
     print(report(result))
     return 0
 

@@ -283,9 +283,7 @@ def run_bench(cfg: BenchConfig) -> dict:
               "summary": summary, "records": records, "batch_summary": summarize_batches(batch_records),
               "batch_records": batch_records,
               "batch_tree": getattr(runner, "batch_tree", None)}
-    atomic_write_json(result, out / "results.json")
-    atomic_write_text(report_markdown(result), out / "report.md")
-    plot_speedups(summary, out / "speedup.png")
+    write_run(out, result, report_markdown(result), "report.md", lambda png: plot_speedups(summary, png), "speedup.png")
     return result
 
 
@@ -424,6 +422,14 @@ def commit() -> str:
     if head.returncode:
         return ""
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def write_run(out: Path, result: dict, markdown: str, md_name: str, draw: Any, png_name: str) -> None:
+    """A benchmark's folder: results.json, its Markdown table and its picture (`draw(result_part, path)`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(result, out / "results.json")
+    atomic_write_text(markdown, out / md_name)
+    draw(out / png_name)
 
 
 def machine() -> dict:

@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..io import atomic_write_text
 from ..platform import default_head
 from .datasets import load_questions
-from .harness import machine
+from .harness import machine, write_run
 
 # name -> (max_batch, batch_tree); the last is `eaglespec serve`'s default
 SETTINGS = {"one at a time": (1, None), "batched, plain steps": (8, None), "batched, chain:1": (8, "chain:1")}
@@ -197,11 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print("eaglespec: --clients, --requests, --repeats and --max-tokens must be >= 1", file=sys.stderr)
         return 2
     result = run(a.model, clients, a.requests, a.max_tokens, a.temperature, a.repeats)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(json.dumps(result, indent=1), out / "results.json")
-    atomic_write_text(table(result), out / "table.md")
-    plot(result, out / "serving.png")
+    write_run(Path(a.out), result, table(result), "table.md", lambda png: plot(result, png), "serving.png")
     print(table(result))
     return 0
 
