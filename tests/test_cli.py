@@ -97,7 +97,7 @@ def test_bad_input(tiny_dirs, gen, extra, msg):
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("extra,msg", [(["--unroll", "0"], "unroll must be >= 1"),
+@pytest.mark.parametrize("extra,msg", [(["--unroll", "-1"], "unroll must be >= 0"),
                                        (["--unroll-fraction", "1.5"], "unroll_fraction must be in (0, 1]"),
                                        (["--lr", "-1"], "lr must be > 0")])
 def test_bad_train_settings(tmp_path, run, extra, msg):

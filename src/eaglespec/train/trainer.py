@@ -76,6 +76,8 @@ class TrainConfig:
     revocab: bool = False  # with init: rebuild its draft vocabulary (its size, or --draft-vocab's) from this run's data
 
     def validate(self) -> None:
+        if self.unroll < 0:
+            raise EaglespecError(f"unroll must be >= 0 (0: the architecture's own), got {self.unroll}")
         if self.unroll == 0:  # the architecture's own
             self.unroll = 3 if self.arch == "eagle3" else 1
         checks = [("epochs", self.epochs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
