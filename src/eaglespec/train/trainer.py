@@ -8,7 +8,8 @@ Only positions inside assistant turns carry loss.
 An ``eagle3`` head (``--arch eagle3``) predicts no feature: its loss is the CE term alone (weight 1),
 over unrolled steps (training-time test, ``--unroll``, 3 by default for it).
 
-Runs under ``accelerate launch`` unchanged (one process on CPU by default).
+One process by default; `torchrun --nproc_per_node N -m eaglespec.cli train ...` runs N (DDP over gloo
+on a CPU), each taking the same number of batches.
 """
 
 from __future__ import annotations
