@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import EaglespecError
-from ..interop import engines_dir, export_gguf, llama_cpp_dir
+from ..interop import engines_dir, export_gguf
 from ..cpu.quant import target_kernels
 from ..models import Engine, converted_path, eos_ids, gguf_path, load_target
 from ..platform import default_head

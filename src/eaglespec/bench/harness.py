@@ -11,7 +11,6 @@ vanilla vs eagle throughput with every sequence of a batch decoded together.
 from __future__ import annotations
 
 import contextlib
-import json
 import platform
 import statistics
 import subprocess
@@ -464,7 +463,7 @@ def report_markdown(result: dict) -> str:
         packed = " (int8 inputs per 32: eaglespec's AVX512-VNNI kernel)"
     vocab = {"full": " (full draft vocabulary)", "head": " (the head's draft vocabulary, no context tokens)"}.get(
         cfg.get("draft_vocab"), "")
-    lines = [f"# eaglespec benchmark", "",
+    lines = ["# eaglespec benchmark", "",
              f"- model: `{cfg['model']}`, head: `{short_path(cfg['head']) if cfg['head'] else None}`{vocab}, tree: `{cfg['tree']}`, chain: `{cfg['chain']}`, "
              f"max_new_tokens: {cfg['max_new_tokens']}, limit: {cfg['limit']}{' (spread)' if cfg.get('spread') else ''}, target weights: "
              f"{cfg.get('quantize') if cfg.get('quantize') in QUANTIZERS else 'fp32'}{packed}{', torch.compile' if cfg.get('compile') else ''}",
