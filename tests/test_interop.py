@@ -211,5 +211,5 @@ def test_engine_table_rows_read_each_engines_own_counts():
     assert _llama_counts("nothing here") is None
     r = row("x", "fp32", "h", [([1, 2, 3, 4], 4, 2.0)], [([1, 2, 3, 4], 4, 1.0)], [2])
     assert r["plain_tokens_per_s"] == 2.0 and r["eagle_tokens_per_s"] == 4.0 and r["speedup"] == 2.0
-    assert r["tau"] == 2.0 and r["equal_to_own_plain"]
-    assert not row("x", "fp32", "h", [([1], 1, 1.0)], [([2], 1, 1.0)], None)["equal_to_own_plain"]
+    assert r["tau"] == 2.0 and r["prompts_equal"] == r["prompts"] == 1
+    assert row("x", "fp32", "h", [([1], 1, 1.0)], [([2], 1, 1.0)], None)["prompts_equal"] == 0

@@ -332,6 +332,7 @@ def test_official_eagle_reads_an_exported_eagle1_head_of_the_real_model(smol, tm
         from eagle.model.ea_model import EaModel
     except ImportError:
         pytest.skip("eagle-llm is not installed (pip install --no-deps eagle-llm==1.2.1)")
+    from eaglespec.bench.engines import official_eagle_rope
     from eaglespec.models import converted_path, load_target
     from eaglespec.spec.formats import export_head
 
@@ -342,9 +343,7 @@ def test_official_eagle_reads_an_exported_eagle1_head_of_the_real_model(smol, tm
     export_head(head, "eagle1", tmp_path / "e1", model.config)
     ea = EaModel.from_pretrained(base_model_path=str(converted_path("smollm2-135m-instruct")),
                                  ea_model_path=str(tmp_path / "e1"), dtype=torch.float32).eval()
-    rot = ea.ea_layer.layers[0].self_attn.rotary_emb
-    rot.inv_freq = 1.0 / (model.config.rope_theta ** (torch.arange(0, rot.dim, 2).float() / rot.dim))
-    rot._set_cos_sin_cache(rot.max_seq_len_cached, rot.inv_freq.device, torch.float32)
+    official_eagle_rope(ea.ea_layer.layers, model.config.rope_theta)
     x = torch.tensor([chat(tok, PROMPTS[2])])
     with torch.no_grad():
         f = model.model(input_ids=x).last_hidden_state

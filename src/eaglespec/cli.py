@@ -431,14 +431,14 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     model, _ = load_target(a.model, packed=False)
     head = EagleDraftHead.from_pretrained(default_head(a.model, a.head), model, draft_vocab="head")
-    dtype = getattr(torch, a.dtype)
+    dtype = None if a.dtype == "float32" else getattr(torch, a.dtype)  # None: as the head is (fp32)
     if a.format == "gguf":
         from .interop import export_gguf
 
         target_dir = Path(a.model) if Path(a.model).is_dir() else converted_path(a.model)
-        out = export_gguf(head, target_dir, a.out, model.config, None if dtype == torch.float32 else dtype)
+        out = export_gguf(head, target_dir, a.out, model.config, dtype)
     else:
-        out = export_head(head, a.format, a.out, model.config, None if dtype == torch.float32 else dtype)
+        out = export_head(head, a.format, a.out, model.config, dtype)
     print(json.dumps({"format": a.format, "arch": head.arch, "out": str(out)}))
     return 0
 

@@ -25,6 +25,7 @@ Writes results.json, report.md (Markdown table) and speedup.png to --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -74,9 +75,14 @@ def row(engine: str, target: str, head: str, plain: list[Run], eagle: list[Run],
             "eagle_tokens_per_s": n_eagle / s_eagle if s_eagle else None,
             "speedup": (n_eagle / s_eagle) / (n_plain / s_plain) if s_plain and s_eagle else None,
             "tau": n_eagle / sum(rounds) if rounds and sum(rounds) else None,
-            "equal_to_own_plain": all(a[0] == b[0] for a, b in zip(plain, eagle)),
             "prompts_equal": sum(a[0] == b[0] for a, b in zip(plain, eagle)), "prompts": len(plain),
             "tokens": n_eagle, "note": note}
+
+
+@functools.lru_cache(maxsize=1)
+def fp32_target() -> tuple[Any, Any]:
+    """SmolLM2 in fp32 with torch's own layers, as the other engines' inputs are made from it: loaded once."""
+    return load_target(MODEL, packed=False)
 
 
 # -- eaglespec ------------------------------------------------------------------------------------
@@ -100,21 +106,25 @@ def run_eaglespec(prompts: list[list[int]], head_dir: str, quantize: str | None,
 
 
 # -- official EAGLE -------------------------------------------------------------------------------
+def official_eagle_rope(layers: list, theta: float) -> None:
+    """Official EAGLE's forked Llama layers assume rope_theta 10000: set their rotary tables to `theta`."""
+    for rot in (layer.self_attn.rotary_emb for layer in layers):
+        rot.inv_freq = 1.0 / (theta ** (torch.arange(0, rot.dim, 2).float() / rot.dim))
+        rot._set_cos_sin_cache(rot.max_seq_len_cached, rot.inv_freq.device, torch.float32)
+
+
 def run_official_eagle(prompts: list[list[int]], head_dir: str, n: int, repeats: int) -> dict[str, Any]:
     try:
         import eagle.model.utils as eu
         from eagle.model.ea_model import EaModel
     except ImportError:
         raise EaglespecError("eagle-llm is not installed (pip install --no-deps eagle-llm==1.2.1)") from None
-    model, _ = load_target(MODEL, packed=False)
+    model, _ = fp32_target()
     with tempfile.TemporaryDirectory() as tmp:
         export_head(EagleDraftHead.from_pretrained(head_dir, model), "eagle1", tmp, model.config)
         ea = EaModel.from_pretrained(base_model_path=str(converted_path(MODEL)), ea_model_path=tmp,
                                      dtype=torch.float32).eval()
-    theta = model.config.rope_theta  # its forked Llama assumes 10000
-    for rot in [layer.self_attn.rotary_emb for layer in list(ea.base_model.model.layers) + list(ea.ea_layer.layers)]:
-        rot.inv_freq = 1.0 / (theta ** (torch.arange(0, rot.dim, 2).float() / rot.dim))
-        rot._set_cos_sin_cache(rot.max_seq_len_cached, rot.inv_freq.device, torch.float32)
+    official_eagle_rope(list(ea.base_model.model.layers) + list(ea.ea_layer.layers), model.config.rope_theta)
     calls = [0]
     tree_decoding = eu.tree_decoding
 
@@ -160,12 +170,20 @@ def vllm_env(python: Path) -> dict[str, str]:
     return env
 
 
-def run_vllm(prompts: list[list[int]], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
+def run_worker(script: str, *args: str | Path, what: str, timeout: int) -> None:
+    """One of this folder's worker scripts, run by the Python of vLLM's environment (it needs that
+    environment's transformers 5.x); its last error line as one `EaglespecError`."""
     python = engines_dir() / "vllm-venv" / "bin" / "python"
     if not python.is_file():
         raise EaglespecError(f"{python}: missing; bash scripts/engines.sh vllm")
-    worker = Path(__file__).with_name("vllm_worker.py")
-    model, _ = load_target(MODEL, packed=False)
+    run = subprocess.run([str(python), str(Path(__file__).with_name(script)), *map(str, args)],
+                         capture_output=True, text=True, timeout=timeout, env=vllm_env(python))
+    if run.returncode != 0:
+        raise EaglespecError(f"{what} failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:300])
+
+
+def run_vllm(prompts: list[list[int]], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
+    model, _ = fp32_target()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         export_head(EagleDraftHead.from_pretrained(head_dir, model), "speculators", Path(tmp) / "head", model.config)
@@ -173,10 +191,7 @@ def run_vllm(prompts: list[list[int]], head_dir: str, k: int, n: int, repeats: i
             job = {"target": str(converted_path(MODEL)), "head": head, "k": k, "prompts": prompts,
                    "max_new_tokens": n, "repeats": repeats}
             (Path(tmp) / "job.json").write_text(json.dumps(job))
-            run = subprocess.run([str(python), str(worker), str(Path(tmp) / "job.json"), str(Path(tmp) / "out.json")],
-                                 capture_output=True, text=True, timeout=3600, env=vllm_env(python))
-            if run.returncode != 0:
-                raise EaglespecError("vLLM failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:300])
+            run_worker("vllm_worker.py", Path(tmp) / "job.json", Path(tmp) / "out.json", what="vLLM", timeout=3600)
             results.append(json.loads((Path(tmp) / "out.json").read_text())["rows"])
     plain = [(r["tokens"], len(r["tokens"]), r["seconds"]) for r in results[0]]
     eagle = [(r["tokens"], len(r["tokens"]), r["seconds"]) for r in results[1]]
@@ -188,13 +203,10 @@ def run_vllm(prompts: list[list[int]], head_dir: str, k: int, n: int, repeats: i
 
 def check_speculators(ids: list[int], head_dir: str) -> dict[str, Any]:
     """speculators reads the exported eagle3 head and computes eaglespec's draft logits (its
-    `Eagle3Speculator`, in vLLM's environment), on one prompt's real fused layers."""
+    `Eagle3DraftModel`, in vLLM's environment), on one prompt's real fused layers."""
     from safetensors.torch import save_file
 
-    python = engines_dir() / "vllm-venv" / "bin" / "python"
-    if not python.is_file():
-        raise EaglespecError(f"{python}: missing; bash scripts/engines.sh vllm")
-    model, _ = load_target(MODEL, packed=False)
+    model, _ = fp32_target()
     head = EagleDraftHead.from_pretrained(head_dir, model)
     x = torch.tensor([ids])
     with torch.no_grad():
@@ -206,11 +218,8 @@ def check_speculators(ids: list[int], head_dir: str) -> dict[str, Any]:
         export_head(head, "speculators", Path(tmp) / "head", model.config)
         save_file({"hidden": aux.contiguous(), "input_ids": nxt.contiguous(), "logits": logits.contiguous()},
                   str(Path(tmp) / "in.safetensors"))
-        run = subprocess.run([str(python), str(Path(__file__).with_name("speculators_worker.py")), str(Path(tmp) / "head"),
-                              str(Path(tmp) / "in.safetensors"), str(Path(tmp) / "out.json")],
-                             capture_output=True, text=True, timeout=900, env=vllm_env(python))
-        if run.returncode != 0:
-            raise EaglespecError("speculators failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:300])
+        run_worker("speculators_worker.py", Path(tmp) / "head", Path(tmp) / "in.safetensors", Path(tmp) / "out.json",
+                   what="speculators", timeout=900)
         return json.loads((Path(tmp) / "out.json").read_text())
 
 
@@ -231,7 +240,7 @@ def run_llama_cpp(prompts: list[str], head_dir: str, k: int, n: int, repeats: in
     spec_bin, plain_bin = bins / "llama-speculative-simple", bins / "llama-completion"
     if not spec_bin.is_file() or not plain_bin.is_file():
         raise EaglespecError(f"{bins}: llama.cpp is not built; bash scripts/engines.sh llama.cpp")
-    model, _ = load_target(MODEL, packed=False)
+    model, _ = fp32_target()
     common = ["-t", "2", "--temp", "0", "-n", str(n), "-c", "4096"]
     plain, eagle, rounds = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -283,7 +292,7 @@ def report(result: dict[str, Any]) -> str:
             lines.append(f"| {r['engine']} | - | - | - | - | - | - | not run: {r['error']} |")
             continue
         f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
-        equal = "yes" if r["equal_to_own_plain"] else f"**{r['prompts_equal']} of {r['prompts']} prompts**"
+        equal = "yes" if r["prompts_equal"] == r["prompts"] else f"**{r['prompts_equal']} of {r['prompts']} prompts**"
         lines.append(f"| {r['engine']} | {r['target']} | {r['head']} | {f(r['plain_tokens_per_s'])} | "
                      f"{f(r['eagle_tokens_per_s'])} | {f(r['speedup'], 2)}x | {f(r['tau'], 2)} | {equal} |")
     check = result.get("speculators")
@@ -332,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     a.eagle3_head, a.eagle1_head = default_head(MODEL, a.eagle3_head), default_head(MODEL, a.eagle1_head)
     if a.eagle3_head is None or a.eagle1_head is None:
         raise SystemExit(f"eaglespec: error: no shipped eagle3 / eagle1 head for {MODEL}: give the head folders")
-    _, tok = load_target(MODEL, packed=False)
+    _, tok = fp32_target()
     texts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                      tokenize=False) for q in load_questions("mt_bench", a.limit, spread=True)]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]

@@ -53,6 +53,18 @@ def eagle3_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def swap_fc_inputs(fc: torch.Tensor) -> torch.Tensor:
+    """An FC weight [H, 2H] with its two input halves swapped: EAGLE-1's [embedding ; feature] <->
+    eaglespec's [feature ; embedding] (its own inverse)."""
+    H = fc.shape[0]
+    return torch.cat([fc[:, H:], fc[:, :H]], 1)
+
+
+def renamed(state: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
+    """`state` with the key prefix `old` replaced by `new` (SafeAILab's midlayer. <-> layers.0.)."""
+    return {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
+
+
 # -- reading --------------------------------------------------------------------------------------
 def read_json(path: Path) -> Any:
     try:
@@ -86,7 +98,7 @@ def resolve(path: str | os.PathLike) -> Path:
     """A head folder, or a Hugging Face repo id ("owner/name") found in the local hub cache (offline:
     nothing is downloaded)."""
     p = Path(path)
-    if p.is_dir() or p.exists():
+    if p.exists():
         return p
     parts = str(path).split("/")
     if len(parts) == 2 and all(parts) and not str(path).startswith((".", "~")):
@@ -135,7 +147,7 @@ def to_eaglespec(path: Path, layout: str, target: PretrainedConfig | None) -> tu
         if fc is None or fc.dim() != 2 or fc.shape[1] != 2 * fc.shape[0] or fc.shape[0] != H:
             raise CheckpointError(f"{path}: fc.weight must be [{H}, {2 * H if isinstance(H, int) else '2H'}] "
                                   "(EAGLE-1's FC over [embedding ; feature])")
-        state["fc.weight"] = torch.cat([fc[:, H:], fc[:, :H]], 1)
+        state["fc.weight"] = swap_fc_inputs(fc)
         state.setdefault("fc.bias", torch.zeros(H, dtype=fc.dtype))  # "bias": false
         aux, d2t = [], None
     else:
@@ -149,8 +161,7 @@ def to_eaglespec(path: Path, layout: str, target: PretrainedConfig | None) -> tu
             aux = cfg.get("eagle_aux_hidden_state_layer_ids")
         else:
             layer_fields, aux = cfg, None
-            state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
-                     for k, v in state.items()}
+            state = renamed(state, "midlayer.", "layers.0.")
         if aux is None:
             if target is None:
                 raise CheckpointError(f"{path}: an EAGLE-3 head names no aux layers; load it with its target")
@@ -221,9 +232,7 @@ def export_head(head: "EagleDraftHead", layout: str, out: str | os.PathLike, tar
                 for k, v in tensors.items()}
 
     if layout == "eagle1":
-        H = head.hidden_size
-        fc = state["fc.weight"]
-        state["fc.weight"] = torch.cat([fc[:, H:], fc[:, :H]], 1)
+        state["fc.weight"] = swap_fc_inputs(state["fc.weight"])
         state["embed_tokens.weight"] = head.embed.weight.detach().cpu()
         atomic_torch_save(cast(state), out / "pytorch_model.bin")
         atomic_write_json({**fields, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True},
@@ -240,7 +249,7 @@ def export_head(head: "EagleDraftHead", layout: str, out: str | os.PathLike, tar
         if target is not None and head.aux_layers != eagle3_layers(target.num_hidden_layers):
             raise EaglespecError(f"SafeAILab's EAGLE-3 reads layers {eagle3_layers(target.num_hidden_layers)} of "
                                  f"this target; this head fuses {head.aux_layers} (--format speculators names them)")
-        state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
+        state = renamed(state, "layers.0.", "midlayer.")
         atomic_save_safetensors(cast(state), out / "model.safetensors")
         atomic_write_json({**fields, "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
                            "draft_vocab_size": head.draft_vocab_size, "tie_word_embeddings": False,
