@@ -320,3 +320,63 @@ def test_draft_step_is_the_packed_head_s_forward_and_its_top_k(family, monkeypat
         assert out.token_ids == eng.generate(IDS, 40, method="vanilla").token_ids and max(out.stats.accept_lengths) > 1
         assert taken[0] is None and None not in taken[1:]  # all after the prompt's in C
         assert all(t.ids is not None for t in taken[1:])  # with their best tokens
+
+
+@needs_layer
+@pytest.mark.skipif(not kernels.draft_available(), reason="eaglespec's AVX-512 kernels are not built here")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_draft_step_runs_the_pure_architectures(family, arch):
+    """EAGLE-1's head (no input norm) and EAGLE-3's (fc over the aux features alone, a mid layer that
+    also reads the embedding, a final norm before its own LM head) draft in one C call too: the
+    packed head's features, best tokens and draft law for a context block and a tree level, and the
+    engine's rounds take it with output still vanilla decoding's."""
+    from eaglespec.cpu.attention import rows_plan
+
+    from conftest import trained_head
+
+    model = tiny_target(family, device="cpu")
+    head = trained_head(model, arch, [IDS[:4]], steps=20)
+    even = torch.arange(0, model.config.vocab_size, 2)  # a draft vocabulary: the even ids
+    if arch == "eagle3":  # its own LM head's rows
+        head.d2t = even
+        rows = torch.nn.Linear(model.config.hidden_size, len(even), bias=False)
+        with torch.no_grad():
+            rows.weight.copy_(head.draft_lm_head.weight[::2])
+        head.draft_lm_head = rows
+    else:  # the target's LM-head rows
+        head.set_draft_vocab(even)
+    pack_target(model)
+    pack_head(head, "packed")
+    assert head.accel.step_spec() is not None
+    h, temp, k = model.config.hidden_size, 0.7, 3
+    w = h * (1 + len(head.aux_layers))
+    g = torch.Generator().manual_seed(1)
+    feats, block, level = torch.randn(1, 8, w, generator=g), torch.randn(1, 2, w, generator=g), torch.randn(1, 5, h, generator=g)
+    seen = [[j for j in range(5) if TREE[i, j]] for i in range(5)]
+    mask = torch.zeros(1, 1, 5, 15)
+    mask[0, 0, :, 10:] = torch.where(TREE, 0.0, float("-inf"))
+    caches = KVCache(64), KVCache(64)
+    close = dict(rtol=1e-4, atol=1e-4)  # EAGLE-3's torch layer is transformers' (its SiLU, its rounding)
+    with torch.inference_mode():
+        for cache in caches:
+            head(feats, torch.tensor([IDS[:8]]), torch.arange(8)[None], None, cache)  # allocates the cache
+        pos = [10, 11, 11, 12, 12]
+        for rows, toks, p, m, plan in ((block, [4, 7], [8, 9], None, None),
+                                       (level, IDS[:5], pos, mask, rows_plan(10, seen))):
+            ref = head(rows, torch.tensor([toks]), torch.tensor([p]), m, caches[0], plan=plan)
+            out, vals, ids, law = head.accel.draft_step(rows, toks, p, caches[1], plan, k, temp, probs=True)
+            torch.testing.assert_close(out, ref, **close)
+            want = torch.softmax(head.logits(ref[0]).float() / temp, -1)
+            torch.testing.assert_close(law, want, **close)
+            assert ids == head.to_target_ids(torch.topk(want, k, -1).indices).tolist()
+            torch.testing.assert_close(torch.tensor(vals), torch.topk(want, k, -1).values.log(), **close)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            torch.testing.assert_close(a.k_buf[:, :, :15], b.k_buf[:, :, :15], **close)
+    taken = []
+    step = head.accel.draft_step
+    head.accel.draft_step = lambda *a, **kw: taken.append(step(*a, **kw)) or taken[-1]
+    eng = Engine(model, head, tree="dynamic:3,3,8")
+    out = eng.generate(IDS[:4], 40)
+    assert out.token_ids == eng.generate(IDS[:4], 40, method="vanilla").token_ids and max(out.stats.accept_lengths) > 1
+    assert taken and None not in taken[1:]

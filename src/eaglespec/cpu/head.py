@@ -53,7 +53,8 @@ class PackedHead:
         head = self.head
         if self._step is None:
             self._step = False
-            lm = self.draft_lm if head.d2t is not None else head.lm_head
+            lm = head.draft_lm_head if head.draft_lm_head is not None else \
+                self.draft_lm if head.d2t is not None else head.lm_head
             mods = [head.fc, lm] + ([head.fuse] if head.fuse is not None else [])
             specs = [m.kernel_spec() if hasattr(m, "kernel_spec") else None for m in mods]
             emb = head.embed.weight if isinstance(head.embed, nn.Embedding) else None
@@ -62,10 +63,19 @@ class PackedHead:
                     and emb is not None
                     and emb.dtype == torch.float32 and emb.is_contiguous()
                     and getattr(head.rotary, "rope_type", "default") in STATIC_ROPE):
+                final = head.norm  # EAGLE-3's norm before its own LM head
                 self._step = kernels.HeadSpec(specs[0], specs[2] if head.fuse is not None else None, specs[1],
                                               emb.detach(), self.ones, torch.finfo(torch.float32).eps,
-                                              len(head.aux_layers), layers, rope_table(head.rotary, emb, 1))
+                                              len(head.aux_layers), layers, rope_table(head.rotary, emb, 1),
+                                              None if final is None else final.weight.detach(),
+                                              float(getattr(final, "eps", getattr(final, "variance_epsilon", 0.0))))
         return self._step or None
+
+    def _identity(self) -> torch.Tensor:
+        """The draft-id -> target-id map of a head over the whole vocabulary, made once."""
+        if self._all_ids is None:
+            self._all_ids = torch.arange(self.head.vocab_size)
+        return self._all_ids
 
     def draft_step(self, features: torch.Tensor, tokens: list[int], positions: list[int], cache: Any,
                    plan: tuple[torch.Tensor, ...] | None = None, k: int = 0, temperature: float = 1.0,
@@ -90,12 +100,12 @@ class PackedHead:
         if cos.data_ptr() != spec.rope[0].data_ptr():
             spec.set_rope(cos, sin)
         k_bufs, v_bufs = cache.buffer_addresses()
-        if head.d2t is not None:
+        if head.draft_lm_head is not None:  # EAGLE-3's own LM head: its rows are d2t's, no context rows
+            ids, ctx = head.d2t if head.d2t is not None else self._identity(), None
+        elif head.d2t is not None:
             ids, ctx = head.draft_ids(), head.context_rows()
-        else:  # the identity map, made once
-            if self._all_ids is None:
-                self._all_ids = torch.arange(head.vocab_size)
-            ids, ctx = self._all_ids, None
+        else:
+            ids, ctx = self._identity(), None
         out, vals, top, law = kernels.draft_step(spec, features[0].contiguous(), torch.tensor(tokens),
                                                  torch.tensor(positions), k_bufs, v_bufs, cache.layers[0].k_buf, slot,
                                                  plan, first, ctx, ids, 1.0 / temperature, k, probs)
@@ -149,7 +159,7 @@ def pack_head(head: EagleDraftHead, kind: str = "packed") -> EagleDraftHead:
         lean = one_call_layers(head) and next(head.parameters()).dtype == torch.float32
     replace_linears(head, make, lambda m: type(m) is nn.Linear and fits(m))
     draft_lm = None
-    if head.d2t is not None:
+    if head.d2t is not None and head.draft_lm_head is None:  # rows of the target's LM head
         w = head.draft_weight()
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
         lin.weight = nn.Parameter(w.float(), requires_grad=False)

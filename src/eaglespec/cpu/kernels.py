@@ -407,7 +407,8 @@ class _Lin(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin), ("norm1", ctypes.c_void_p),
                 ("norm2", ctypes.c_void_p), ("nq", ctypes.c_long), ("nkv", ctypes.c_long), ("D", ctypes.c_long),
-                ("inter", ctypes.c_long), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("inter", ctypes.c_long), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("hnorm", ctypes.c_void_p)]
 
 
 def _lin(spec: LinearSpec) -> _Lin:
@@ -424,24 +425,28 @@ def layer_available() -> bool:
 @dataclass
 class LayerSpec:
     """A decoder layer's weights, laid out for skinny.c's `decoder_layer` (built once per layer; it
-    holds the tensors whose addresses the C struct records)."""
+    holds the tensors whose addresses the C struct records). norm1 None: no input norm (EAGLE-1's
+    draft layer); hidden_norm: EAGLE-3's mid layer (q/k/v read [norm1(embedding) ; hidden_norm(x)],
+    which only `draft_step` passes)."""
     qkv: LinearSpec
     o: LinearSpec
     gate_up: LinearSpec
     down: LinearSpec
-    norm1: torch.Tensor
+    norm1: torch.Tensor | None
     norm2: torch.Tensor
     heads: int
     kv_heads: int
     head_dim: int
     eps: float
     scale: float
+    hidden_norm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.inter = self.gate_up.n // 2
-        self._struct = _Layer(_lin(self.qkv), _lin(self.o), _lin(self.gate_up), _lin(self.down), self.norm1.data_ptr(),
+        ptr = lambda t: None if t is None else t.data_ptr()
+        self._struct = _Layer(_lin(self.qkv), _lin(self.o), _lin(self.gate_up), _lin(self.down), ptr(self.norm1),
                               self.norm2.data_ptr(), self.heads, self.kv_heads, self.head_dim, self.inter,
-                              self.eps, self.scale)
+                              self.eps, self.scale, ptr(self.hidden_norm))
         self.address = ctypes.addressof(self._struct)
         self.addresses = torch.tensor([self.address])  # `decoder_stack`'s list, of this layer alone
 
@@ -461,7 +466,8 @@ def decoder_layer(spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torc
 class _Head(ctypes.Structure):
     _fields_ = [("fc", _Lin), ("fuse", _Lin), ("lm", _Lin), ("embed", ctypes.c_void_p), ("aux_norm", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.c_void_p), ("H", ctypes.c_long),
-                ("naux", ctypes.c_long), ("nlayers", ctypes.c_long), ("D", ctypes.c_long), ("aux_eps", ctypes.c_float)]
+                ("naux", ctypes.c_long), ("nlayers", ctypes.c_long), ("D", ctypes.c_long), ("aux_eps", ctypes.c_float),
+                ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float)]
 
 
 def draft_available() -> bool:
@@ -473,7 +479,8 @@ def draft_available() -> bool:
 class HeadSpec:
     """An EAGLE draft head laid out for skinny.c's `draft_step` (built once per packed head; it holds
     the tensors whose addresses the C struct records). fuse None: no aux features; `rope` the (P, D)
-    cos and sin tables by position, replaceable with `set_rope` when they grow."""
+    cos and sin tables by position, replaceable with `set_rope` when they grow; final_norm (and its
+    eps): an EAGLE-3 head (fc over the aux features alone, the norm before its own LM head)."""
     fc: LinearSpec
     fuse: LinearSpec | None
     lm: LinearSpec
@@ -483,13 +490,16 @@ class HeadSpec:
     naux: int
     layers: list[LayerSpec]
     rope: tuple[torch.Tensor, torch.Tensor]
+    final_norm: torch.Tensor | None = None
+    final_eps: float = 0.0
 
     def __post_init__(self) -> None:
         none = _Lin(-1, 0, 0, None, None, None, None)
         self._addresses = torch.tensor([layer.address for layer in self.layers])
         self._struct = _Head(_lin(self.fc), none if self.fuse is None else _lin(self.fuse), _lin(self.lm),
                              self.embed.data_ptr(), self.aux_norm.data_ptr(), 0, 0, self._addresses.data_ptr(),
-                             self.embed.shape[1], self.naux, len(self.layers), self.layers[0].head_dim, self.aux_eps)
+                             self.embed.shape[1], self.naux, len(self.layers), self.layers[0].head_dim, self.aux_eps,
+                             None if self.final_norm is None else self.final_norm.data_ptr(), self.final_eps)
         self.set_rope(*self.rope)
 
     def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -113,23 +113,28 @@ def _rows_inputs(position_embeddings: tuple[torch.Tensor, torch.Tensor], attenti
 
 def one_call_spec(layer: nn.Module) -> kernels.LayerSpec | None:
     """The layer's weights for `kernels.decoder_layer`, if it can run as one call: eaglespec's kernels
-    for all four linear layers (fused q/k/v, o, fused gate/up, down), fp32 norms, SiLU, head size a
-    multiple of 16 up to 256 (the attention kernel's)."""
-    if not kernels.layer_available():
+    for all four linear layers (fused q/k/v, o, fused gate/up, down), fp32 norms of one eps, SiLU,
+    head size a multiple of 16 up to 256 (the attention kernel's). Draft layers too: without an input
+    norm (EAGLE-1's) or with EAGLE-3's `hidden_norm`."""
+    if not kernels.layer_available() or not hasattr(getattr(layer.self_attn, "fused_q_k_v", None), "fused"):
         return None
     attn, mlp, cfg = layer.self_attn, layer.mlp, layer.self_attn.config
-    linears = (attn.fused_q_k_v.fused, attn.o_proj, mlp.gate_up, mlp.down_proj)
+    linears = (attn.fused_q_k_v.fused, attn.o_proj, getattr(mlp, "gate_up", None), getattr(mlp, "down_proj", None))
     specs = [lin.kernel_spec() if hasattr(lin, "kernel_spec") else None for lin in linears]
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    eps = [float(getattr(n, "eps", getattr(n, "variance_epsilon", -1.0))) for n in norms]
+    first = None if isinstance(layer.input_layernorm, nn.Identity) else layer.input_layernorm
+    hidden = getattr(layer, "hidden_norm", None)
+    norms = [n for n in (first, layer.post_attention_layernorm, hidden) if n is not None]
+    eps = {float(getattr(n, "eps", getattr(n, "variance_epsilon", -1.0))) for n in norms}
     d = attn.head_dim
-    if (None in specs or getattr(cfg, "hidden_act", None) != "silu" or eps[0] != eps[1] or eps[0] < 0
+    if (None in specs or getattr(cfg, "hidden_act", None) != "silu" or len(eps) != 1 or min(eps) < 0
+            or hidden is not None and first is None
             or any(n.weight.dtype != torch.float32 for n in norms) or d % 16 or d > 256
             or getattr(attn, "attention_dropout", 0.0) and attn.training):
         return None
     nq, nkv = layer._lean_heads
-    return kernels.LayerSpec(*specs, norms[0].weight.detach(), norms[1].weight.detach(), nq, nkv, d, eps[0],
-                             float(attn.scaling))
+    weight = lambda n: None if n is None else n.weight.detach()
+    return kernels.LayerSpec(*specs, weight(first), weight(layer.post_attention_layernorm), nq, nkv, d, eps.pop(),
+                             float(attn.scaling), weight(hidden))
 
 
 def one_call_layers(module: nn.Module) -> bool:
@@ -216,4 +221,10 @@ def lean_layers(decoder: nn.Module) -> int:
             layer._one_call = one_call_spec(layer)
             layer.forward = types.MethodType(lean_forward, layer)
             n += 1
+        elif hasattr(layer, "hidden_norm") and isinstance(getattr(layer, "mlp", None), GatedMLP):
+            # EAGLE-3's mid layer keeps its forward (it also reads the embeddings); the head's one-call
+            # draft step (`kernels.draft_step`) runs it
+            cfg = layer.self_attn.config
+            layer._lean_heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
+            layer._one_call = one_call_spec(layer)
     return n

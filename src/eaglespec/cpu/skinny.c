@@ -503,9 +503,10 @@ void rms_norm(const float *x, long M, long H, const float *w, float eps, float *
 typedef struct { long kind, K, N; const void *w0, *w1, *w2; const float *bias; } lin_t;
 typedef struct {
     lin_t qkv, o, gate_up, down;
-    const float *norm1, *norm2;
+    const float *norm1, *norm2; /* norm1 NULL: none (EAGLE-1's draft layer reads the FC's output as is) */
     long nq, nkv, D, inter;
     float eps, scale;
+    const float *hnorm; /* EAGLE-3's mid layer: q/k/v read [norm1(embedding) ; hnorm(x)] (2H), residual x */
 } layer_t;
 
 enum { LIN_F32, LIN_BF16, LIN_Q4, LIN_BF16DOT, LIN_Q4DOT, LIN_Q4Q8, LIN_Q8 };
@@ -554,15 +555,23 @@ static inline void rope(const float *x, const float *c, const float *s, float *o
 /* x: (B * M, H) fp32, updated in place; cos, sin: (B * M, D); kc / vc: the layer's cache buffers with
  * batch strides kb / vb and head strides kh / vh (rows of D), row i of batch b written at position
  * slot + i; the plan (R, pb, pi, pn, po, pt) as attend_rows takes it, over the cache after the write. */
-void decoder_layer(const layer_t *L, float *x, long B, long M, long H, const float *cos, const float *sin,
-                   float *kc, float *vc, long kb, long kh, long vb, long vh, long slot, long R, const long *pb,
-                   const long *pi, const long *pn, const long *po, const long *pt, int threads) {
+static void layer_rows(const layer_t *L, float *x, const float *emb, long B, long M, long H, const float *cos,
+                       const float *sin, float *kc, float *vc, long kb, long kh, long vb, long vh, long slot, long R,
+                       const long *pb, const long *pi, const long *pn, const long *po, const long *pt, int threads) {
     long rows = B * M, D = L->D, nq = L->nq, nkv = L->nkv, I = L->inter, W = (nq + 2 * nkv) * D;
-    long big = W > 2 * I ? W : 2 * I;
-    float *h = (float *)malloc(sizeof(float) * rows * H), *t = (float *)malloc(sizeof(float) * rows * big);
+    long big = W > 2 * I ? W : 2 * I, in = L->hnorm ? 2 * H : H;
+    float *h = (float *)malloc(sizeof(float) * rows * in), *t = (float *)malloc(sizeof(float) * rows * big);
     float *q = (float *)malloc(sizeof(float) * rows * nq * D), *a = (float *)malloc(sizeof(float) * rows * nq * D);
     float *y = (float *)malloc(sizeof(float) * rows * H); /* o's and down's outputs */
-    rms_norm(x, rows, H, L->norm1, L->eps, h);
+    if (L->hnorm)
+        for (long r = 0; r < rows; r++) {
+            rms_norm(emb + r * H, 1, H, L->norm1, L->eps, h + r * in);
+            rms_norm(x + r * H, 1, H, L->hnorm, L->eps, h + r * in + H);
+        }
+    else if (L->norm1)
+        rms_norm(x, rows, H, L->norm1, L->eps, h);
+    else
+        memcpy(h, x, sizeof(float) * rows * H);
     run_linear(&L->qkv, h, rows, t, threads);
     for (long r = 0; r < rows; r++) {
         long b = r / M, pos = slot + r % M;
@@ -598,6 +607,12 @@ void decoder_layer(const layer_t *L, float *x, long B, long M, long H, const flo
     free(h), free(t), free(q), free(a), free(y), free(act);
 }
 
+void decoder_layer(const layer_t *L, float *x, long B, long M, long H, const float *cos, const float *sin,
+                   float *kc, float *vc, long kb, long kh, long vb, long vh, long slot, long R, const long *pb,
+                   const long *pi, const long *pn, const long *po, const long *pt, int threads) {
+    layer_rows(L, x, 0, B, M, H, cos, sin, kc, vc, kb, kh, vb, vh, slot, R, pb, pi, pn, po, pt, threads);
+}
+
 /* n consecutive decoder layers in one call (lean.py's decoder forward): layers[i] is the address of
  * layer i's layer_t, kcs[i] / vcs[i] of its cache buffers (all alike in shape); the rest as
  * decoder_layer. A SmolLM2 step makes 30 layer calls; from Python each cost ~15 us around its work. */
@@ -617,13 +632,18 @@ void decoder_stack(const long *layers, long n, float *x, long B, long M, long H,
  * rows' nctx dot products) and those tokens' target ids (ids[draft index]), best first, ties to the
  * lower index; with probs, also the whole draft law softmax(logits * inv_temp), (M - first, N + nctx)
  * (sampled drafts draw from it). The head's torch path made ~40 small calls around these kernels:
- * ~0.6 ms of a ~1.1 ms drafted round on 2 cores. */
+ * ~0.6 ms of a ~1.1 ms drafted round on 2 cores.
+ * An EAGLE-3 head (final_norm set) instead takes h = fc(the aux features) where feat has them, else
+ * h = f (its own last output, at tree levels); its one mid layer also reads embed[token]; its draft
+ * LM head reads final_norm(out). */
 typedef struct {
     lin_t fc, fuse, lm;     /* fuse.kind < 0: no aux features */
     const float *embed, *aux_norm, *cos, *sin; /* embed (V, H); cos, sin: (P, D) tables by position */
     const long *layers;     /* layer_t addresses */
     long H, naux, nlayers, D;
     float aux_eps;
+    const float *final_norm; /* EAGLE-3 */
+    float final_eps;
 } head_t;
 
 static void top_logprobs(const head_t *E, const float *x, long M, const float *ctx, long nctx, const long *ids,
@@ -697,16 +717,27 @@ void draft_step(const head_t *E, const float *feat, long M, long W, const long *
                 const long *pb, const long *pi, const long *pn, const long *po, const long *pt, float *out,
                 long first, const float *ctx, long nctx, const long *ids, float inv_temp, long k, float *topv,
                 long *topi, float *probs, int threads) {
-    long H = E->H, D = E->D;
+    long H = E->H, D = E->D, e3 = E->final_norm != 0;
     float *xin = (float *)malloc(sizeof(float) * M * 2 * H), *cs = (float *)malloc(sizeof(float) * 2 * M * D);
+    float *emb = (float *)malloc(sizeof(float) * M * H);
     for (long r = 0; r < M; r++) {
         memcpy(xin + r * 2 * H, feat + r * W, sizeof(float) * H);
         memcpy(xin + r * 2 * H + H, E->embed + tokens[r] * H, sizeof(float) * H);
+        memcpy(emb + r * H, E->embed + tokens[r] * H, sizeof(float) * H);
         memcpy(cs + r * D, E->cos + pos[r] * D, sizeof(float) * D);
         memcpy(cs + (M + r) * D, E->sin + pos[r] * D, sizeof(float) * D);
     }
-    run_linear(&E->fc, xin, M, out, threads);
-    if (E->fuse.kind >= 0 && W > H) { /* a tree level's parents bring f alone */
+    if (e3 && W > H) { /* the target's layers through the FC */
+        long A = W - H;
+        float *aux = (float *)malloc(sizeof(float) * M * A);
+        for (long r = 0; r < M; r++) memcpy(aux + r * A, feat + r * W + H, sizeof(float) * A);
+        run_linear(&E->fc, aux, M, out, threads);
+        free(aux);
+    } else if (e3) /* a tree level: the head's own output */
+        for (long r = 0; r < M; r++) memcpy(out + r * H, feat + r * W, sizeof(float) * H);
+    else
+        run_linear(&E->fc, xin, M, out, threads);
+    if (!e3 && E->fuse.kind >= 0 && W > H) { /* a tree level's parents bring f alone */
         long A = E->naux * H;
         float *aux = (float *)malloc(sizeof(float) * M * A), *y = (float *)malloc(sizeof(float) * M * H);
         for (long r = 0; r < M; r++) memcpy(aux + r * A, feat + r * W + H, sizeof(float) * A);
@@ -722,11 +753,16 @@ void draft_step(const head_t *E, const float *feat, long M, long W, const long *
         for (long r = 0; r < M; r++) ((long *)pi)[r] = r, ((long *)pn)[r] = slot + r + 1;
     }
     for (long i = 0; i < E->nlayers; i++)
-        decoder_layer((const layer_t *)E->layers[i], out, 1, M, H, cs, cs + M * D, (float *)kcs[i], (float *)vcs[i],
-                      kb, kh, vb, vh, slot, R, pb, pi, pn, po, pt, threads);
-    if (k > 0)
+        layer_rows((const layer_t *)E->layers[i], out, emb, 1, M, H, cs, cs + M * D, (float *)kcs[i], (float *)vcs[i],
+                   kb, kh, vb, vh, slot, R, pb, pi, pn, po, pt, threads);
+    if (k > 0 && e3) {
+        float *normed = (float *)malloc(sizeof(float) * (M - first) * H);
+        rms_norm(out + first * H, M - first, H, E->final_norm, E->final_eps, normed);
+        top_logprobs(E, normed, M - first, ctx, nctx, ids, inv_temp, k, topv, topi, probs, threads);
+        free(normed);
+    } else if (k > 0)
         top_logprobs(E, out + first * H, M - first, ctx, nctx, ids, inv_temp, k, topv, topi, probs, threads);
-    free(xin), free(cs), free(causal);
+    free(xin), free(cs), free(emb), free(causal);
 }
 #endif
 
