@@ -791,3 +791,27 @@ def test_training_on_two_processes_ends_and_matches_one(tiny_features, tmp_path)
     assert len(logs["two"]["log"]) == sum(len(epoch_batches(lengths, 256, 0, e)) for e in range(3)) // 2
     acc = {k: v["evals"][-1]["unroll_acc"][0] for k, v in logs.items()}
     assert abs(acc["one"] - acc["two"]) <= 0.05, acc
+
+
+def test_regenerate_topics_split_the_prompts_into_code_and_the_rest(tiny_features, tmp_path):
+    """`--topic code` answers the opening turns about programming, `--topic other` exactly the rest:
+    two runs that pool without answering a prompt twice."""
+    from eaglespec.train.data import is_code_prompt
+    from eaglespec.train.regenerate import RegenerateConfig, regenerate
+
+    texts = ["w5 w6", "```w7```", "def w8 return", "w9 class", "import w10 return", "w11"]
+    assert [is_code_prompt([{"role": "user", "content": t}]) for t in texts] == [False, True, True, False, True, False]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "w3"}]})
+                              for t in texts))
+    cfg = RegenerateConfig(model=str(tiny_features / "model"), out="", data=str(data), max_new_tokens=3, batch_size=4,
+                           heldout=0)
+    got = {}
+    for topic in ("code", "other", "all"):
+        out = tmp_path / f"{topic}.jsonl"
+        regenerate(replace(cfg, out=str(out), topic=topic))
+        got[topic] = {r["conversations"][0]["value"] for r in map(json.loads, out.read_text().splitlines())}
+    assert got["code"] == {t for t in texts[1:5] if t != "w9 class"} and got["other"] == {"w5 w6", "w9 class", "w11"}
+    assert got["code"] | got["other"] == got["all"] == set(texts)
+    with pytest.raises(EaglespecError, match="--topic"):
+        regenerate(replace(cfg, out=str(tmp_path / "x.jsonl"), topic="prose"))

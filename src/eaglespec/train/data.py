@@ -141,7 +141,7 @@ def render(messages: list[dict], tokenizer, max_len: int) -> tuple[list[int], li
     return ids[:max_len], mask[:max_len]
 
 
-TOPICS = ("all", "code")  # which opening turns `regenerate` answers
+TOPICS = ("all", "code", "other")  # which opening turns `regenerate` answers (other: all but code)
 _CODE = re.compile(
     r"```|\b(?:python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|php|ruby|sql|bash|html|css|"
     r"react|node\.?js|django|flask|pandas|numpy|regex|api|json|function|class|method|code|script|program|"

@@ -78,7 +78,7 @@ class RegenerateConfig:
     aux_layers: str = ""  # with features_out: also these layers' hidden states (EAGLE-3 fusion), no extract pass
     temperature: float = 0.0  # 0: greedy answers; > 0: sampled (more contexts per prompt; see the docstring)
     sample_round: int = 0  # > 0: another random stream, for a new sampled set on prompts already answered
-    topic: str = "all"  # or "code": only opening turns that ask about programming (`data.is_code_prompt`)
+    topic: str = "all"  # "code": only opening turns that ask about programming (`data.is_code_prompt`); "other": the rest
 
 
 def _done_ids(path: Path) -> set[int]:
@@ -191,7 +191,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     prompts = []
     for k, first in enumerate(openings[cfg.first_conversation: cfg.max_conversations], start=cfg.first_conversation):
         ids = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
-        if cfg.topic == "code" and not is_code_prompt(first):
+        if cfg.topic != "all" and is_code_prompt(first) != (cfg.topic == "code"):
             continue
         if cfg.min_prompt_len <= len(ids) <= cfg.max_prompt_len:
             prompts.append((id0 + k, first, ids))
