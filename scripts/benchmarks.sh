@@ -12,6 +12,9 @@ TREE=${TREE:-auto+lookup}  # the eagle row of the main table (the CLI's default 
 TREE4=${TREE4:-auto+lookup}  # the same for the quantized targets
 BATCH_TREE=${BATCH_TREE:-chain:1}  # batches need a static tree
 WRITE=${WRITE:-1}    # WRITE=0: run the stages without touching BENCHMARKS.md
+QWEN=${QWEN:-qwen2.5-coder-0.5b-instruct}  # the second model family's stages (qwen-*: not in the default STAGES)
+QN=${QN:-4}          # questions per dataset in its tables (its vanilla decodes ~5x slower than SmolLM2's)
+QN_TAU=${QN_TAU:-20} # questions per dataset for its acceptance table
 mkdir -p "$OUT"
 DOT=()
 # FP32: the fp32 target's kernels for every fp32 stage. "auto": --packed where the profile stage
@@ -103,6 +106,18 @@ for stage in $STAGES; do
     engines)   # the same heads in official EAGLE, vLLM and llama.cpp (prepared by scripts/engines.sh), beside eaglespec
       python -m eaglespec.bench.engines --eagle3-head "${EAGLE3_HEAD:-eagle3}" --eagle1-head "${EAGLE1_HEAD:-eagle1}" \
         --limit "$N" --out "$OUT/engines" ;;
+    qwen-curve)  # the second model family (Qwen2.5-Coder-0.5B): its fp32 cost curve
+      eaglespec profile --model "$QWEN" --out "$OUT/qwen-curve" | tee "$OUT/qwen-curve.md" ;;
+    qwen-main)   # its shipped head on the four sets, T=0 and T=1, against its own vanilla, hf, pld and llama.cpp
+      eaglespec bench --model "$QWEN" --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$QN" $SPREAD --first-turn-only \
+        --temperature 0,1 --tree "$TREE" --methods vanilla,hf,pld,eagle,eagle@chain:2,llamacpp --out "$OUT/qwen-main" ;;
+    qwen-int4-q8)  # the fastest quantized Qwen target (its own vanilla), against llama.cpp's plain decoding of the GGUF
+      eaglespec bench --model "$QWEN" --quantize fastest --dataset mt_bench,humaneval,gsm8k,alpaca --limit "$QN" $SPREAD \
+        --first-turn-only --temperature 0,1 --tree "$TREE4" --methods vanilla,eagle,eagle@chain:2,llamacpp \
+        --out "$OUT/qwen-int4-q8" ;;
+    qwen-tau)    # its head's acceptance on the paper tree (tau, n-alpha): HumanEval and MT-bench first turns, T=0
+      eaglespec bench --model "$QWEN" --dataset humaneval,mt_bench --limit "$QN_TAU" $SPREAD --first-turn-only \
+        --temperature 0 --tree paper --methods eagle --out "$OUT/qwen-tau" ;;
     tau)       # the model card's acceptance: 80 MT-bench first turns, paper tree, T=0
       K=$(fp32_kernels)
       eaglespec bench $K --dataset mt_bench --first-turn-only --temperature 0 --tree paper \

@@ -99,13 +99,15 @@ def speed_tables(result: dict, title: str) -> list[str]:
     return out
 
 
-def tau_table(result: dict) -> list[str]:
+def tau_table(result: dict, title: str = "Acceptance on all 80 MT-bench first turns (paper tree, T = 0)") -> list[str]:
+    """tau and n-alpha (the acceptance rate of a draft at depth n + 1 given its parent accepted) per set."""
     rows = [r for r in result["summary"] if r["method"] == "eagle"]
-    out = ["### Acceptance on all 80 MT-bench first turns (paper tree, T = 0)", "", f"{stamp(result)}.", "",
-           "| tree | tau | 0-α | 1-α | 2-α | 3-α | 4-α | tokens |", "|---|---|---|---|---|---|---|---|"]
+    out = [f"### {title}", "", f"{stamp(result)}.", "",
+           "| set | tree | tau | 0-α | 1-α | 2-α | 3-α | 4-α | tokens |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         na = [fx(a, "") for a in (r.get("n_alpha") or [])[:5]] + [""] * 5
-        out.append(f"| {result['config']['tree']} | {r['tau']:.3f} | " + " | ".join(na[:5]) + f" | {r['new_tokens']} |")
+        out.append(f"| {DATASETS.get(r['dataset'], r['dataset'])} | {result['config']['tree']} | {r['tau']:.3f} | "
+                   + " | ".join(na[:5]) + f" | {r['new_tokens']} |")
     return out + [""]
 
 
@@ -121,18 +123,19 @@ def batch_table(result: dict) -> list[str]:
     return out + [""]
 
 
-def curve_table(run: Path, kind: str) -> list[str]:
-    path = run / "curve" / "cost_curve.json"
+def curve_table(run: Path, kind: str, stage: str = "curve", target: str = "fp32 target") -> list[str]:
+    path = run / stage / "cost_curve.json"
     if not path.is_file():
         return []
     c = json.loads(path.read_text())
     show = [n for n in (1, 2, 3, 4, 8, 16, 32, 64) if n in c["sizes"]]
     ms = {n: 1000 * t for n, t in zip(c["sizes"], c["verify_s"])}
-    return ["### Cost curve (fp32 target: one forward + LM head vs tokens verified)", "",
+    return [f"### Cost curve ({target}: one forward + LM head vs tokens verified)", "",
             f"{kind}, {c['machine'].get('threads')} threads, context {c['context']} tokens.", "",
             "| tokens | " + " | ".join(str(n) for n in show) + " | one draft level |",
             "|---|" + "---|" * (len(show) + 1),
-            "| ms | " + " | ".join(f"{ms[n]:.1f}" for n in show) + f" | {1000 * c['draft_level_s']:.2f} |", ""]
+            "| ms | " + " | ".join(f"{ms[n]:.1f}" for n in show) + f" | {1000 * c['draft_level_s']:.2f} |",
+            "| x one token | " + " | ".join(f"{ms[n] / ms[show[0]]:.2f}" for n in show) + " | |", ""]
 
 
 def serve_table(run: Path, result: dict) -> list[str]:
@@ -184,7 +187,8 @@ def engines_table(run: Path, result: dict) -> list[str]:
 
 
 def host_section(run: Path) -> tuple[str, str]:
-    results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80", "serve", "engines")}
+    results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80", "serve", "engines",
+                                         "qwen-main", "qwen-int4-q8", "qwen-tau")}
     first = next((r for r in results.values() if r is not None), None)
     if first is None:
         sys.exit(f"no results.json under {run}")
@@ -207,6 +211,14 @@ def host_section(run: Path) -> tuple[str, str]:
         lines += serve_table(run, results["serve"])
     if results["engines"]:
         lines += engines_table(run, results["engines"])
+    qwen = "Qwen2.5-Coder-0.5B-Instruct"
+    if results["qwen-main"]:
+        lines += speed_tables(results["qwen-main"], f"{qwen}, fp32 target (exact codes): the four sets")
+    if results["qwen-int4-q8"]:
+        lines += speed_tables(results["qwen-int4-q8"], f"{qwen}, int4-q8 target (`--quantize fastest`)")
+    lines += curve_table(run, kind, "qwen-curve", f"{qwen}, fp32 target")
+    if results["qwen-tau"]:
+        lines += tau_table(results["qwen-tau"], f"{qwen}: acceptance on the paper tree (T = 0)")
     return kind, "\n".join(lines).rstrip() + "\n"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -183,14 +184,38 @@ def _add_extract(sub: argparse._SubParsersAction) -> None:
                    help="the target's dtype while extracting (bfloat16: faster on CPUs with bf16 matrix units)")
 
 
+def _field_comments(cls: type) -> dict[str, str]:
+    """A config dataclass's field comments (`name: type = default  # what it is`, continued on the
+    comment lines below it), as each option's --help text: the dataclass stays the one place that
+    says what a setting means."""
+    import inspect
+
+    notes: dict[str, str] = {}
+    name = None
+    for line in inspect.getsource(cls).splitlines():
+        field = re.match(r"\s+(\w+): [^#]*?(?:#\s*(.*))?$", line)
+        if field and not line.lstrip().startswith("#"):
+            name = field.group(1)
+            if field.group(2):
+                notes[name] = field.group(2)
+        elif line.lstrip().startswith("#") and name in notes:
+            notes[name] += " " + line.lstrip()[1:].strip()
+        else:
+            name = None
+    return {k: v.replace("%", "%%") for k, v in notes.items()}
+
+
 def _add_fields(p: argparse.ArgumentParser, defaults: object, skip: tuple[str, ...]) -> None:
-    """One --option per field of a config dataclass, with its default."""
+    """One --option per field of a config dataclass, with its default and its comment as help."""
     from dataclasses import fields
 
+    notes = _field_comments(type(defaults))
     for f in fields(defaults):  # type: ignore[arg-type]
         if f.name not in skip:
             val = getattr(defaults, f.name)
             extra = dict(f.metadata)  # choices, help
+            if "help" not in extra and f.name in notes:
+                extra["help"] = notes[f.name]
             if isinstance(val, bool):  # type=bool would read "--x False" as True
                 p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=val,
                                **extra)

