@@ -30,12 +30,14 @@ def draft_logits(head, model, ids):
         return head.logits(head(f, torch.roll(x, -1, 1), torch.arange(len(ids))[None]))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
-def test_each_foreign_layout_round_trips_and_decodes_losslessly(arch, tmp_path):
+def test_each_foreign_layout_round_trips_and_decodes_losslessly(arch, family, tmp_path):
     """A head written in each foreign layout is detected, reads back to the same draft logits, and
     decodes to the target's greedy output; the files hold what the layout says (EAGLE-1's FC columns
-    [embedding ; feature] and the target's embedding, EAGLE-3's d2t offsets and t2d)."""
-    model = tiny_target("llama", layers=6)
+    [embedding ; feature] and the target's embedding, EAGLE-3's d2t offsets and t2d). A Qwen2 target's
+    head travels as a Llama layer with attention biases (o's zero), read back as such."""
+    model = tiny_target(family, layers=6)
     head = trained_head(model, arch, PROMPTS, aux_layers=[2, 3, 3] if arch == "eagle3" else None, steps=80)
     H = model.config.hidden_size
     for layout in LAYOUTS[arch]:
@@ -43,7 +45,8 @@ def test_each_foreign_layout_round_trips_and_decodes_losslessly(arch, tmp_path):
         assert detect(out) == layout
         back = EagleDraftHead.from_pretrained(out, model, draft_vocab="head")
         assert back.arch == arch and back.aux_layers == head.aux_layers
-        assert back.metadata == {"imported_from": layout}
+        assert back.metadata == {"imported_from": layout} and back.model_type == family
+        assert back.layer_config.model_type == "llama" and back.layer_config.attention_bias == (family == "qwen2")
         torch.testing.assert_close(draft_logits(back, model, PROMPTS[2]), draft_logits(head, model, PROMPTS[2]),
                                    atol=0, rtol=0)
         eng = Engine(model, back, tree="paper")
@@ -150,9 +153,10 @@ def test_export_refuses_what_a_layout_cannot_hold(tmp_path):
     with pytest.raises(EaglespecError, match="SafeAILab"):
         export_head(e3, "eagle3", tmp_path / "b", model.config)
     export_head(e3, "speculators", tmp_path / "c", model.config)  # speculators names its layers
-    qwen = tiny_target("qwen2", layers=6)
-    with pytest.raises(EaglespecError, match="Llama"):
-        export_head(EagleDraftHead(qwen.config, arch="eagle1").bind(qwen), "eagle1", tmp_path / "d", qwen.config)
+    other = EagleDraftHead(model.config, arch="eagle1").bind(model)
+    other.layer_config.model_type = "phi3"  # a family whose layer has no Llama form (Llama and Qwen2 have)
+    with pytest.raises(EaglespecError, match="no such form"):
+        export_head(other, "eagle1", tmp_path / "d", model.config)
 
 
 def test_export_cli(tmp_path, capsys):

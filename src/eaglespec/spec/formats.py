@@ -182,20 +182,26 @@ def to_eaglespec(path: Path, layout: str, target: PretrainedConfig | None) -> tu
             state["d2t"] = d2t
         if layer_fields.get("vocab_size") is None and t2d is not None:
             layer_fields = {**layer_fields, "vocab_size": int(t2d.numel())}
+    # every one of these layouts is a Llama layer, whatever the target's family (a Qwen2 target's head
+    # carries its q/k/v biases as `attention_bias`): the target's shapes and RoPE, the file's biases
     if target is not None:
-        layer = target.to_dict()
+        full = target.to_dict()
         for key in ("hidden_size", "vocab_size"):
-            if layer_fields.get(key, layer[key]) != layer[key]:
-                raise CheckpointError(f"{path}: {key} {layer_fields.get(key)} is not the target's {layer[key]}")
+            if layer_fields.get(key, full[key]) != full[key]:
+                raise CheckpointError(f"{path}: {key} {layer_fields.get(key)} is not the target's {full[key]}")
+        layer = {k: full[k] for k in LAYER_FIELDS if k in full}
+        layer.update({k: layer_fields[k] for k in ("attention_bias", "mlp_bias") if k in layer_fields})
+        layer.setdefault("attention_bias", False)
     else:
         layer = {k: v for k, v in layer_fields.items() if k in LAYER_FIELDS}
-        layer["model_type"] = "llama"  # every one of these layouts is a Llama layer
+    layer["model_type"] = "llama"
     layer["num_hidden_layers"] = 1
     if not isinstance(layer.get("hidden_size"), int) or not isinstance(layer.get("vocab_size"), int):
         raise CheckpointError(f"{path / 'config.json'}: hidden_size and vocab_size must be integers")
     if d2t is not None and (int(d2t.min()) < 0 or int(d2t.max()) >= layer["vocab_size"]):
         raise CheckpointError(f"{path}: d2t maps draft tokens outside the target's vocabulary")
-    head_cfg = {"format": HEAD_FORMAT, "format_version": HEAD_FORMAT_VERSION, "model_type": layer["model_type"],
+    head_cfg = {"format": HEAD_FORMAT, "format_version": HEAD_FORMAT_VERSION,
+                "model_type": "llama" if target is None else target.model_type,
                 "hidden_size": layer["hidden_size"], "vocab_size": layer["vocab_size"],
                 "input_mode": "feature+shifted_token", "aux_layers": list(aux),
                 "arch": "eagle1" if layout == "eagle1" else "eagle3", "layer_config": layer}
@@ -218,13 +224,17 @@ def export_head(head: "EagleDraftHead", layout: str, out: str | os.PathLike, tar
     if head.arch != want:
         raise EaglespecError(f"this head's arch is {head.arch}; only arch {want} has the {layout} layout "
                              f"(train one with --arch {want})")
-    if head.layer_config.model_type != "llama":
-        raise EaglespecError(f"the {layout} layout's layer is Llama's; this head's family is "
-                             f"{head.layer_config.model_type}")
+    family = head.layer_config.model_type
+    if family not in ("llama", "qwen2"):
+        raise EaglespecError(f"the {layout} layout's layer is Llama's; a {family} layer has no such form")
     cfg = head.layer_config.to_dict()
     fields = {k: cfg[k] for k in LAYER_FIELDS if k in cfg}
     fields["num_hidden_layers"] = 1
     state = {k: v.detach().cpu() for k, v in head.state_dict().items() if not k.startswith("rotary.") and k != "d2t"}
+    if family == "qwen2":  # Qwen2's layer is Llama's with q/k/v biases: Llama's attention_bias, o's bias zero
+        fields["attention_bias"] = True
+        o = state["layers.0.self_attn.o_proj.weight"]
+        state["layers.0.self_attn.o_proj.bias"] = torch.zeros(o.shape[0], dtype=o.dtype)
     out.mkdir(parents=True, exist_ok=True)
 
     def cast(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -135,7 +135,9 @@ class Eagle3Layer(nn.Module):
 class EagleDraftHead(nn.Module):
     def __init__(self, target_config: PretrainedConfig, input_mode: str = "feature+shifted_token",
                  draft_vocab: torch.Tensor | None = None, num_layers: int = 1,
-                 aux_layers: list[int] | None = None, arch: str = "hybrid"):
+                 aux_layers: list[int] | None = None, arch: str = "hybrid", model_type: str | None = None):
+        """A head for a target of `target_config` (its layer's config: a head read from another
+        engine's layout has a Llama layer whatever its target; `model_type` then names the target's family)."""
         super().__init__()
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
@@ -157,7 +159,7 @@ class EagleDraftHead(nn.Module):
         self.layer_config = _layer_config(target_config, num_layers)
         self.hidden_size = target_config.hidden_size
         self.vocab_size = target_config.vocab_size
-        self.model_type = target_config.model_type
+        self.model_type = model_type or target_config.model_type
         layer_cls, rotary_cls = _family_classes(self.layer_config)
         H = self.hidden_size
         self.layers = nn.ModuleList(layer_cls(self.layer_config, layer_idx=i) for i in range(num_layers))
@@ -525,7 +527,7 @@ class EagleDraftHead(nn.Module):
         if arch not in ARCHS:
             raise CheckpointError(f"{path / 'config.json'}: arch must be one of {ARCHS}, got {arch!r}")
         make = partial(cls, layer_cfg, input_mode=cfg.get("input_mode", "feature+shifted_token"), draft_vocab=d2t,
-                       num_layers=int(num_layers), aux_layers=aux_layers, arch=arch)
+                       num_layers=int(num_layers), aux_layers=aux_layers, arch=arch, model_type=cfg["model_type"])
         with torch.device("meta"):  # the config's shapes, checked against the file's before anything is allocated
             own = {k: v.shape for k, v in make().state_dict().items() if not k.startswith("rotary.")}
         missing = sorted(set(own) - set(state))
