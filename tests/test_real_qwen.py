@@ -105,3 +105,20 @@ def test_sampling_law_of_the_first_two_tokens(qwen):
     f_exp = [e * n / sum(f_exp) for e in f_exp]
     assert chisquare(f_obs, f_exp).pvalue > 1e-3
     assert multi > n // 10  # the tree's drafts were accepted, not only the bonus token drawn
+
+
+def test_shipped_head_is_the_default_and_decodes_losslessly_with_acceptance(qwen):
+    """`--model qwen2.5-coder-0.5b-instruct` drafts with the shipped head: greedy output equals
+    transformers' `generate`, and a trained head accepts far more on code than an untrained one."""
+    from eaglespec.platform import default_head
+
+    model, tok = qwen
+    path = default_head(MODEL)
+    assert path is not None and Path(path, "config.json").is_file()
+    head = EagleDraftHead.from_pretrained(path, model)
+    ids = chat(tok, PROMPTS[0])
+    ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
+    out = Engine(model, head, tree="paper").generate(ids, 64)
+    assert out.token_ids == ref[0, len(ids):].tolist()
+    assert out.stats.tau > 2.0
