@@ -261,6 +261,9 @@ class EagleServer(ThreadingHTTPServer):
     """The HTTP server: one engine, one tokenizer, one decode thread (`Scheduler`)."""
 
     daemon_threads = True
+    # connections waiting to be accepted: socketserver's 5 overflows when many clients connect at once
+    # on a busy machine, and the kernel then resets some of them
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], engine: Engine, tok: PreTrainedTokenizerBase, model_id: str,
                  eos: list[int], method: str = "eagle", default_max_tokens: int = 1024,
