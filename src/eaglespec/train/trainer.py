@@ -364,7 +364,7 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     acc = Accelerator(cpu=cfg.device == "cpu")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    feats_dirs = [Path(f) for f in cfg.features.split(",") if f]
+    feats_dirs = [Path(f).expanduser() for f in cfg.features.split(",") if f]  # the shell expands only the first ~
     target, tok = load_target(cfg.model, device=str(acc.device))
     for p in target.parameters():
         p.requires_grad_(False)
