@@ -214,6 +214,8 @@ def host_section(run: Path) -> tuple[str, str]:
     qwen = "Qwen2.5-Coder-0.5B-Instruct"
     if results["qwen-main"]:
         lines += speed_tables(results["qwen-main"], f"{qwen}, fp32 target (exact codes): the four sets")
+        image = picture(run, "qwen-main/speedup.png", "bench_speedup_qwen", kind, f"speedup over vanilla, {qwen}, {kind}")
+        lines += image + ([""] if image else [])
     if results["qwen-int4-q8"]:
         lines += speed_tables(results["qwen-int4-q8"], f"{qwen}, int4-q8 target (`--quantize fastest`)")
     lines += curve_table(run, kind, "qwen-curve", f"{qwen}, fp32 target")
