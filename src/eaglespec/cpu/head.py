@@ -21,7 +21,7 @@ from ..spec.cache import KVCache
 from ..spec.head import EagleDraftHead
 from ..spec.rope import STATIC_ROPE, rope_table
 from . import attention, kernels
-from .lean import one_call_layers, write_slot
+from .lean import norm_eps, one_call_layers, write_slot
 from .quant import (Bf16DotLinear, Bf16Linear, Int4DotLinear, Int4Linear, Int4Q8Linear, PackedLinear,
                     eager_fast_paths, int4_available, packed_linear_available, replace_linears)
 
@@ -68,7 +68,7 @@ class PackedHead:
                                               emb.detach(), self.ones, torch.finfo(torch.float32).eps,
                                               len(head.aux_layers), layers, rope_table(head.rotary, emb, 1),
                                               None if final is None else final.weight.detach(),
-                                              float(getattr(final, "eps", getattr(final, "variance_epsilon", 0.0))))
+                                              0.0 if final is None else norm_eps(final))
         return self._step or None
 
     def _identity(self) -> torch.Tensor:

@@ -111,6 +111,11 @@ def _rows_inputs(position_embeddings: tuple[torch.Tensor, torch.Tensor], attenti
     return cos, sin, kwargs.get("eaglespec_plan") or attention.plan_for(attention_mask, b, m, slot + m)
 
 
+def norm_eps(norm: nn.Module) -> float:
+    """An RMSNorm's epsilon (`eps` on eaglespec's fast norms, `variance_epsilon` on transformers'), -1 if none."""
+    return float(getattr(norm, "eps", getattr(norm, "variance_epsilon", -1.0)))
+
+
 def one_call_spec(layer: nn.Module) -> kernels.LayerSpec | None:
     """The layer's weights for `kernels.decoder_layer`, if it can run as one call: eaglespec's kernels
     for all four linear layers (fused q/k/v, o, fused gate/up, down), fp32 norms of one eps, SiLU,
@@ -124,7 +129,7 @@ def one_call_spec(layer: nn.Module) -> kernels.LayerSpec | None:
     first = None if isinstance(layer.input_layernorm, nn.Identity) else layer.input_layernorm
     hidden = getattr(layer, "hidden_norm", None)
     norms = [n for n in (first, layer.post_attention_layernorm, hidden) if n is not None]
-    eps = {float(getattr(n, "eps", getattr(n, "variance_epsilon", -1.0))) for n in norms}
+    eps = {norm_eps(n) for n in norms}
     d = attn.head_dim
     if (None in specs or getattr(cfg, "hidden_act", None) != "silu" or len(eps) != 1 or min(eps) < 0
             or hidden is not None and first is None
@@ -215,16 +220,15 @@ def lean_layers(decoder: nn.Module) -> int:
     """Bind `lean_forward` to every decoder layer that `fits`; returns how many."""
     n = 0
     for layer in getattr(decoder, "layers", []):
-        if fits(layer):
+        lean = fits(layer)
+        # EAGLE-3's mid layer keeps its forward (it also reads the embeddings); the head's one-call
+        # draft step (`kernels.draft_step`) runs it
+        eagle3 = hasattr(layer, "hidden_norm") and isinstance(getattr(layer, "mlp", None), GatedMLP)
+        if lean or eagle3:
             cfg = layer.self_attn.config
             layer._lean_heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
             layer._one_call = one_call_spec(layer)
+        if lean:
             layer.forward = types.MethodType(lean_forward, layer)
             n += 1
-        elif hasattr(layer, "hidden_norm") and isinstance(getattr(layer, "mlp", None), GatedMLP):
-            # EAGLE-3's mid layer keeps its forward (it also reads the embeddings); the head's one-call
-            # draft step (`kernels.draft_step`) runs it
-            cfg = layer.self_attn.config
-            layer._lean_heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
-            layer._one_call = one_call_spec(layer)
     return n

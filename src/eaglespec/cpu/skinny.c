@@ -717,35 +717,39 @@ void draft_step(const head_t *E, const float *feat, long M, long W, const long *
                 const long *pb, const long *pi, const long *pn, const long *po, const long *pt, float *out,
                 long first, const float *ctx, long nctx, const long *ids, float inv_temp, long k, float *topv,
                 long *topi, float *probs, int threads) {
-    long H = E->H, D = E->D, e3 = E->final_norm != 0;
-    float *xin = (float *)malloc(sizeof(float) * M * 2 * H), *cs = (float *)malloc(sizeof(float) * 2 * M * D);
-    float *emb = (float *)malloc(sizeof(float) * M * H);
+    long H = E->H, D = E->D, e3 = E->final_norm != 0, A = E->naux * H;
+    float *cs = (float *)malloc(sizeof(float) * 2 * M * D), *emb = (float *)malloc(sizeof(float) * M * H);
     for (long r = 0; r < M; r++) {
-        memcpy(xin + r * 2 * H, feat + r * W, sizeof(float) * H);
-        memcpy(xin + r * 2 * H + H, E->embed + tokens[r] * H, sizeof(float) * H);
         memcpy(emb + r * H, E->embed + tokens[r] * H, sizeof(float) * H);
         memcpy(cs + r * D, E->cos + pos[r] * D, sizeof(float) * D);
         memcpy(cs + (M + r) * D, E->sin + pos[r] * D, sizeof(float) * D);
     }
-    if (e3 && W > H) { /* the target's layers through the FC */
-        long A = W - H;
-        float *aux = (float *)malloc(sizeof(float) * M * A);
+    float *aux = 0; /* the aux features after f, where feat has them (a tree level's parents bring f alone) */
+    if (W > H && (e3 || E->fuse.kind >= 0)) {
+        aux = (float *)malloc(sizeof(float) * M * A);
         for (long r = 0; r < M; r++) memcpy(aux + r * A, feat + r * W + H, sizeof(float) * A);
-        run_linear(&E->fc, aux, M, out, threads);
-        free(aux);
-    } else if (e3) /* a tree level: the head's own output */
-        for (long r = 0; r < M; r++) memcpy(out + r * H, feat + r * W, sizeof(float) * H);
-    else
-        run_linear(&E->fc, xin, M, out, threads);
-    if (!e3 && E->fuse.kind >= 0 && W > H) { /* a tree level's parents bring f alone */
-        long A = E->naux * H;
-        float *aux = (float *)malloc(sizeof(float) * M * A), *y = (float *)malloc(sizeof(float) * M * H);
-        for (long r = 0; r < M; r++) memcpy(aux + r * A, feat + r * W + H, sizeof(float) * A);
-        rms_norm(aux, M * E->naux, H, E->aux_norm, E->aux_eps, aux);
-        run_linear(&E->fuse, aux, M, y, threads);
-        for (long i = 0; i < M * H; i++) out[i] = out[i] + y[i];
-        free(aux), free(y);
     }
+    if (e3 && aux) /* the target's layers through the FC */
+        run_linear(&E->fc, aux, M, out, threads);
+    else if (e3) /* a tree level: the head's own output */
+        for (long r = 0; r < M; r++) memcpy(out + r * H, feat + r * W, sizeof(float) * H);
+    else {
+        float *xin = (float *)malloc(sizeof(float) * M * 2 * H);
+        for (long r = 0; r < M; r++) {
+            memcpy(xin + r * 2 * H, feat + r * W, sizeof(float) * H);
+            memcpy(xin + r * 2 * H + H, emb + r * H, sizeof(float) * H);
+        }
+        run_linear(&E->fc, xin, M, out, threads);
+        free(xin);
+        if (aux) {
+            float *y = (float *)malloc(sizeof(float) * M * H);
+            rms_norm(aux, M * E->naux, H, E->aux_norm, E->aux_eps, aux);
+            run_linear(&E->fuse, aux, M, y, threads);
+            for (long i = 0; i < M * H; i++) out[i] = out[i] + y[i];
+            free(y);
+        }
+    }
+    free(aux);
     long *causal = 0;
     if (R == 0) { /* row i sees the cache and the rows up to itself */
         causal = (long *)calloc(4 * M + 2, sizeof(long));
@@ -762,7 +766,7 @@ void draft_step(const head_t *E, const float *feat, long M, long W, const long *
         free(normed);
     } else if (k > 0)
         top_logprobs(E, out + first * H, M - first, ctx, nctx, ids, inv_temp, k, topv, topi, probs, threads);
-    free(xin), free(cs), free(emb), free(causal);
+    free(cs), free(emb), free(causal);
 }
 #endif
 

@@ -191,7 +191,6 @@ def to_eaglespec(path: Path, layout: str, target: PretrainedConfig | None) -> tu
                 raise CheckpointError(f"{path}: {key} {layer_fields.get(key)} is not the target's {full[key]}")
         layer = {k: full[k] for k in LAYER_FIELDS if k in full}
         layer.update({k: layer_fields[k] for k in ("attention_bias", "mlp_bias") if k in layer_fields})
-        layer.setdefault("attention_bias", False)
     else:
         layer = {k: v for k, v in layer_fields.items() if k in LAYER_FIELDS}
     layer["model_type"] = "llama"
