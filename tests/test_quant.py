@@ -119,7 +119,7 @@ def test_skinny_q4_kernel_is_its_dequantized_weight_at_every_row_count(kernel_is
     lin = torch.nn.Linear(128, 96)
     q = Int4Linear(lin)
     assert q.skinny
-    x = torch.randn(27, 128)
+    x = torch.randn(27, lin.in_features)
     with torch.no_grad():
         y = q(x)
         torch.testing.assert_close(y, x @ q.weight.T + lin.bias, atol=1e-4, rtol=1e-4)
@@ -457,14 +457,24 @@ def test_packed_linear_runs_skinny_for_any_row_count_and_torch_for_training(monk
     assert not PackedLinear(torch.nn.Linear(64, 100)).skinny  # 100 outputs: oneDNN's packing instead
 
 
-def exact_weight(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
+def exact_weight(n: int, k: int, bits: int | str, seed: int = 0) -> torch.Tensor:
     """A dequantized GGUF weight: per group of 32 inputs, 4-bit codes * an fp16 scale + an fp16 minimum
-    (bits 4: Q4_1; codes 0 and 15 in every group, as Q4_1's rounding puts them), or signed codes * an
+    (bits 4: Q4_1; codes 0 and 15 in every group, as Q4_1's rounding puts them), Q4_K's (bits "4k";
+    see the branch), or signed codes * an
     fp16 scale, each group (bits 8) Q8_0 (+-127 in it), Q5_0 (-16 in it) or Q4_0 (-8 in it), computed
     in fp32 as gguf's dequantizer does (the product is exact)."""
     g = torch.Generator().manual_seed(seed)
     groups = (n, k // 32, 1)
     scale = (torch.rand(groups, generator=g) * 0.02 + 1e-3).half().float()
+    if bits == "4k":  # Q4_K: w = (d * sc) * q - dmin * m, fp16 d and dmin per 256 inputs, 6-bit sc and m per 32
+        blocks = (n, k // 256, 1, 1)
+        d, dmin = ((torch.rand(blocks, generator=g) * 1e-3 + 1e-5).half().float() for _ in range(2))
+        sc, m = (torch.randint(0, 64, (n, k // 256, 8, 1), generator=g).float() for _ in range(2))
+        sc[:, 0, 0] = 0  # a group of one value
+        q = torch.randint(0, 16, (n, k // 256, 8, 32), generator=g).float()
+        q[:, :, 1:4].clamp_(3, 15)  # groups without code 0: their minimum is not their smallest weight
+        q[:, -1, -1] = torch.tensor([0.0, 2.0, 15.0]).repeat(11)[:32]  # smallest step two codes
+        return ((d * sc) * q - dmin * m).view(n, k)
     if bits == 4:
         q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
         q[..., 0], q[..., 1] = 0, 15
@@ -475,19 +485,19 @@ def exact_weight(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
     return (q * scale).view(n, k)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, "4k", 8])
 def test_exact_codes_give_the_fp32_kernel_s_bits_and_only_for_exact_weights(bits, kernel_isa):
     from eaglespec.cpu import kernels
     from eaglespec.cpu.quant import ExactInt4Linear, ExactInt8Linear
 
-    make = ExactInt4Linear if bits == 4 else ExactInt8Linear
-    lin = torch.nn.Linear(128, 96)
+    make = ExactInt8Linear if bits == 8 else ExactInt4Linear
+    lin = torch.nn.Linear(512 if bits == "4k" else 128, 96)  # Q4_K: whole super-blocks of 256 inputs
     with torch.no_grad():
-        lin.weight.copy_(exact_weight(96, 128, bits))
+        lin.weight.copy_(exact_weight(96, lin.in_features, bits))
     layer = make.of(lin)
     assert layer is not None
     packed = kernels.pack_weight(lin.weight)
-    x = torch.randn(27, 128)
+    x = torch.randn(27, lin.in_features)
     with torch.no_grad():
         for m in (1, 2, 5, 12, 13, 27):  # across the passes over a block
             assert torch.equal(layer(x[:m]), kernels.linear(x[:m], packed, lin.bias.detach()))

@@ -107,19 +107,26 @@ class Int4Linear(nn.Module):
     min_scale = 2.0 ** -14  # with half_scales: fp16's smallest normal
     inputs_per_step = 1  # inputs per packed k step as the C layer counts K (int4-q8 packs quads)
 
-    def __init__(self, linear: nn.Linear, group_size: int = 32, keep_weight: bool = True):
+    def __init__(self, linear: nn.Linear, group_size: int = 32, keep_weight: bool = True,
+                 codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """``codes``: the layer's own (q, scale, minimum) per group, as `k_quant_codes` finds them;
+        by default they are fitted to the weight (scale = range / 15)."""
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
         if k % group_size:
             raise EaglespecError(f"int4 needs input sizes divisible by {group_size}; a linear layer has {k}")
         self.in_features, self.out_features, self.group_size = k, n, group_size
-        g = w.view(n, k // group_size, group_size)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp_min(1e-8)
-        if self.half_scales:  # codes for the rounded scale and minimum (fp16's smallest normal at least)
-            scale, lo = scale.clamp_min(self.min_scale).half().float(), lo.half().float()
-        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        if codes is not None:
+            q, scale, lo = codes
+            q = q.to(torch.int32)
+        else:
+            g = w.view(n, k // group_size, group_size)
+            lo, hi = g.amin(-1), g.amax(-1)
+            scale = ((hi - lo) / 15).clamp_min(1e-8)
+            if self.half_scales:  # codes for the rounded scale and minimum (fp16's smallest normal at least)
+                scale, lo = scale.clamp_min(self.min_scale).half().float(), lo.half().float()
+            q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
         fits = kernels.fits_q4(n, k) and group_size == kernels.GROUP
         self.skinny = fits and self.needs()
         if self.spec_kind != "q4" and not self.skinny:
@@ -237,14 +244,87 @@ class ExactInt4Linear(Int4Linear):
 
     @classmethod
     def of(cls, linear: nn.Linear) -> "ExactInt4Linear | None":
-        """The layer as exact codes, or None where some weight is not one (or the kernel cannot run it)."""
+        """The layer as exact codes, or None where some weight is not one (or the kernel cannot run it):
+        Q4_1 / Q4_0 groups (scale = range / 15 in fp16), else Q4_K super-blocks (`k_quant_codes`)."""
         w = _codes_candidate(linear, cls.of)
         if w is None:
             return None
         layer = cls(linear, keep_weight=True)
-        exact = layer.skinny and torch.equal(layer.weight, w)
+        if not (layer.skinny and torch.equal(layer.weight, w)):
+            codes = k_quant_codes(w)
+            if codes is None:
+                return None
+            layer = cls(linear, keep_weight=True, codes=codes)
+            if not (layer.skinny and torch.equal(layer.weight, w)):
+                return None
         layer._q = None  # the codes live on in the packed buffers; nothing reads decoder weights
-        return layer if exact else None
+        return layer
+
+
+SUPER_BLOCK = 256  # inputs per K-quant super-block: one fp16 d (and dmin) for its 8 groups of 32
+
+
+def k_quant_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Codes q (N, K) in 0..15 and fp32 scale, minimum (N, K / 32) with q * scale + minimum == w for
+    every weight, for a dequantized GGUF Q4_K weight; None where none are found (K % 256 != 0, or w
+    is not one).
+
+    Q4_K stores w = (d * sc) * q - dmin * m, with fp16 d, dmin per 256 inputs and 6-bit sc, m per
+    group of 32; d * sc and q * (d * sc) are exact in fp32, so the subtraction is the one rounding, as
+    in the int4 kernel's fma. A group's scale is found from its smallest step between distinct
+    weights (its scale, or a whole multiple of it), as d times a whole number: d is the largest fp16
+    that divides every group's step in the super-block. Its minimum is its smallest weight (where
+    that weight is code 0), else the fp32 value near smallest - t * scale that reproduces the group.
+    The caller still checks every weight."""
+    n, k = w.shape
+    if k % SUPER_BLOCK or not torch.isfinite(w).all():
+        return None
+    g = w.float().view(n, k // 32, 32)
+    lo = g.amin(-1)
+    steps = g.sort(-1).values.diff(dim=-1)
+    step = torch.where(steps > 0, steps, torch.inf).amin(-1)  # inf: a group of one value (scale 0 serves)
+    per_block = step.view(n, k // SUPER_BLOCK, SUPER_BLOCK // 32)
+    smallest = per_block.amin(-1)
+    d = torch.zeros_like(smallest)
+    for multiple in range(64, 0, -1):  # the last d that fits wins: the largest
+        cand = (smallest / multiple).half().float()
+        ratio = per_block / cand[..., None]
+        # a group's step is exact to ~1e-6 relative (its two weights round once each)
+        fits = (((ratio - ratio.round()).abs() <= 1e-4 * ratio) | per_block.isinf()).all(-1) & (cand > 0)
+        d = torch.where(fits, cand, d)
+    whole = torch.where(per_block.isinf(), 0.0, (per_block / d[..., None]).round())
+    if (d[..., None] == 0).logical_and(~per_block.isinf()).any():
+        return None
+    scale = torch.where(whole > 0, d[..., None] * whole, 0.0).view(n, k // 32)
+    safe = torch.where(scale > 0, scale, 1.0)[..., None]
+    q = torch.where(scale[..., None] > 0, ((g - lo[..., None]) / safe).round(), 0.0)
+    minimum = lo.clone()
+    bad = ((q > 15) | (q * scale[..., None] + lo[..., None] != g)).any(-1)
+    for row, group in bad.nonzero().tolist():  # a step of several codes, or no code 0: search the group
+        found = _group_codes(g[row, group], d.view(n, -1)[row, group // 8].item(), int(whole.view(n, -1)[row, group]))
+        if found is None:
+            return None
+        q[row, group], scale[row, group], minimum[row, group] = found
+    return q.view(n, k).to(torch.uint8), scale, minimum
+
+
+def _group_codes(group: torch.Tensor, d: float, whole: int) -> tuple[torch.Tensor, float, float] | None:
+    """Codes, scale and minimum reproducing one Q4_K group whose smallest step is d * whole: the scale
+    is d * whole / j for a j dividing whole (the step spans j codes), and the minimum lies within an
+    ulp of the smallest weight minus t scales (t = the smallest weight's code)."""
+    lo = group.min()
+    near = torch.arange(-64, 65, dtype=torch.int32)  # fp32 neighbours of each estimate, by bit pattern
+    for j in (j for j in range(1, 16) if whole % j == 0):
+        scale = d * (whole // j)
+        for t in range(16):
+            estimate = torch.tensor(lo.double().item() - t * scale, dtype=torch.float32)
+            cands = (estimate.view(torch.int32) + near).view(torch.float32) if t else lo[None]
+            q = ((group[None] - cands[:, None]) / scale).round()
+            ok = ((q >= 0) & (q <= 15) & (q * scale + cands[:, None] == group[None])).all(-1)
+            if ok.any():
+                i = int(ok.nonzero()[0])
+                return q[i], scale, cands[i].item()
+    return None
 
 
 class ExactInt8Linear(nn.Module):
