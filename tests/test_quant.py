@@ -459,8 +459,8 @@ def test_packed_linear_runs_skinny_for_any_row_count_and_torch_for_training(monk
 
 def exact_weight(n: int, k: int, bits: int | str, seed: int = 0) -> torch.Tensor:
     """A dequantized GGUF weight: per group of 32 inputs, 4-bit codes * an fp16 scale + an fp16 minimum
-    (bits 4: Q4_1; codes 0 and 15 in every group, as Q4_1's rounding puts them), Q4_K's (bits "4k";
-    see the branch), or signed codes * an
+    (bits 4: Q4_1; codes 0 and 15 in every group, as Q4_1's rounding puts them), Q4_K's or Q6_K's
+    (bits "4k", "6k"; see the branches), or signed codes * an
     fp16 scale, each group (bits 8) Q8_0 (+-127 in it), Q5_0 (-16 in it) or Q4_0 (-8 in it), computed
     in fp32 as gguf's dequantizer does (the product is exact)."""
     g = torch.Generator().manual_seed(seed)
@@ -475,6 +475,10 @@ def exact_weight(n: int, k: int, bits: int | str, seed: int = 0) -> torch.Tensor
         q[:, :, 1:4].clamp_(3, 15)  # groups without code 0: their minimum is not their smallest weight
         q[:, -1, -1] = torch.tensor([0.0, 2.0, 15.0]).repeat(11)[:32]  # smallest step two codes
         return ((d * sc) * q - dmin * m).view(n, k)
+    if bits == "6k":  # Q6_K: w = (d * sc) * q, an fp16 d (per 256 inputs; per row here), 8-bit sc per 16, q in -32..31
+        d = (torch.rand(n, 1, 1, generator=g) * 1e-3 + 1e-5).half().float()
+        sc = torch.randint(-128, 128, (n, k // 16, 1), generator=g).float()
+        return ((d * sc) * torch.randint(-32, 32, (n, k // 16, 16), generator=g).float()).view(n, k)
     if bits == 4:
         q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
         q[..., 0], q[..., 1] = 0, 15
@@ -485,17 +489,19 @@ def exact_weight(n: int, k: int, bits: int | str, seed: int = 0) -> torch.Tensor
     return (q * scale).view(n, k)
 
 
-@pytest.mark.parametrize("bits", [4, "4k", 8])
+@pytest.mark.parametrize("bits", [4, "4k", 8, "6k"])
 def test_exact_codes_give_the_fp32_kernel_s_bits_and_only_for_exact_weights(bits, kernel_isa):
     from eaglespec.cpu import kernels
     from eaglespec.cpu.quant import ExactInt4Linear, ExactInt8Linear
 
-    make = ExactInt8Linear if bits == 8 else ExactInt4Linear
+    make = ExactInt4Linear if bits in (4, "4k") else ExactInt8Linear
     lin = torch.nn.Linear(512 if bits == "4k" else 128, 96)  # Q4_K: whole super-blocks of 256 inputs
     with torch.no_grad():
         lin.weight.copy_(exact_weight(96, lin.in_features, bits))
     layer = make.of(lin)
-    assert layer is not None
+    assert layer is not None and getattr(layer, "group", 32) == (16 if bits == "6k" else 32)
+    if bits in (8, "6k"):
+        assert ExactInt4Linear.of(lin) is None  # 4-bit codes only where every group is one
     packed = kernels.pack_weight(lin.weight)
     x = torch.randn(27, lin.in_features)
     with torch.no_grad():
@@ -514,11 +520,12 @@ def test_packed_target_streams_exact_codes_with_the_fp32_bits(monkeypatch):
     from eaglespec.cpu import quant
     from eaglespec.cpu.quant import ExactInt4Linear, ExactInt8Linear
 
-    def dequantized_gguf() -> torch.nn.Module:  # layer 0 Q4_1, layer 1 signed codes, the LM head Q8_0
+    def dequantized_gguf() -> torch.nn.Module:  # layer 0 Q4_1, layer 1 signed codes (down Q6_K's), the LM head Q8_0
         model = tiny_target("llama", seed=6)
         with torch.no_grad():
             for i, (name, lin) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)):
-                lin.weight.copy_(exact_weight(*lin.weight.shape, 4 if ".layers.0." in name else 8, seed=i))
+                bits = 4 if ".layers.0." in name else "6k" if name.endswith("layers.1.mlp.down_proj") else 8
+                lin.weight.copy_(exact_weight(*lin.weight.shape, bits, seed=i))
         return model
 
     model, ref = dequantized_gguf(), dequantized_gguf()  # (bits 8: the Q8_0 / Q5_0 / Q4_0 groups of Qwen2.5's GGUF)
@@ -529,6 +536,7 @@ def test_packed_target_streams_exact_codes_with_the_fp32_bits(monkeypatch):
     assert isinstance(model.lm_head, ExactInt8Linear) and target_kernels(ref).exact_codes == 0
     four, eight = (sum(isinstance(m, kind) for m in model.model.layers.modules()) for kind in (ExactInt4Linear, ExactInt8Linear))
     assert four == eight == 4 and target_kernels(model).exact_codes == four + eight + 1  # q/k/v, o, gate/up, down
+    assert model.model.layers[1].mlp.down_proj.group == 16
     from eaglespec.cpu.lean import one_call_layers
     assert one_call_layers(model.model) == one_call_layers(ref.model)  # 8-bit codes in the one-call layers too
     x = torch.tensor([PROMPTS[2]])

@@ -152,7 +152,8 @@ def _lib() -> ctypes.CDLL | None:
     q4.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     q4.restype = None
-    for dot in ("skinny_linear_q4dot", "skinny_linear_q4dot_f32", "skinny_linear_q4q8", "skinny_linear_q8"):
+    for dot in ("skinny_linear_q4dot", "skinny_linear_q4dot_f32", "skinny_linear_q4q8", "skinny_linear_q8",
+                "skinny_linear_q8g16"):
         if hasattr(lib, dot):
             getattr(lib, dot).argtypes, getattr(lib, dot).restype = q4.argtypes, None
     for extra in ("skinny_linear_bf16", "skinny_linear_bf16dot", "skinny_linear_bf16dot_f32"):
@@ -274,8 +275,8 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum
 
 
 def pack_q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Codes q (N, K) in 0..255 and per-group scale, minimum (N, K / 32) -> skinny_linear_q8's layout:
-    (N / 32, K, 32) bytes and (N / 32, K / 32, 32) fp32 twice."""
+    """Codes q (N, K) in 0..255 and per-group scale, minimum (N, K / G) for groups G of 32 or 16 inputs
+    -> skinny_linear_q8's (or _q8g16's) layout: (N / 32, K, 32) bytes and (N / 32, K / G, 32) fp32 twice."""
     n, k = q.shape
     return q.to(torch.uint8).reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous(), _per_block(scale), \
         _per_block(minimum)
@@ -283,8 +284,10 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tupl
 
 def linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ w.T + bias for a 2-D fp32 x (M, K) and w = q * scale + minimum packed by `pack_q8`."""
-    return _run(_lib().skinny_linear_q8, x, codes.shape[1], codes.shape[0] * BLOCK, (codes, scale, minimum), bias)
+    """y = x @ w.T + bias for a 2-D fp32 x (M, K) and w = q * scale + minimum packed by `pack_q8` (its
+    groups of 32 or 16 inputs read from the scales' shape)."""
+    fn = _lib().skinny_linear_q8g16 if scale.shape[1] * 16 == codes.shape[1] else _lib().skinny_linear_q8
+    return _run(fn, x, codes.shape[1], codes.shape[0] * BLOCK, (codes, scale, minimum), bias)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -387,7 +390,8 @@ def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pla
 
 
 class LinearSpec(NamedTuple):
-    """A linear layer as `decoder_layer` calls it: the kernel ("f32", "bf16", "q4", "bf16dot", "q4dot", "q4q8", "q8"),
+    """A linear layer as `decoder_layer` calls it: the kernel ("f32", "bf16", "q4", "bf16dot", "q4dot", "q4q8", "q8",
+    "q8g16"),
     K as that kernel counts inputs (pairs for the -dot kinds), N outputs, its packed operands, a bias."""
     kind: str
     k: int
@@ -396,7 +400,7 @@ class LinearSpec(NamedTuple):
     bias: torch.Tensor | None
 
 
-_LIN_KINDS = {"f32": 0, "bf16": 1, "q4": 2, "bf16dot": 3, "q4dot": 4, "q4q8": 5, "q8": 6}  # skinny.c's LIN_* values
+_LIN_KINDS = {"f32": 0, "bf16": 1, "q4": 2, "bf16dot": 3, "q4dot": 4, "q4q8": 5, "q8": 6, "q8g16": 7}  # skinny.c's LIN_*
 
 
 class _Lin(ctypes.Structure):

@@ -109,8 +109,8 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group_size: int = 32, keep_weight: bool = True,
                  codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-        """``codes``: the layer's own (q, scale, minimum) per group, as `k_quant_codes` finds them;
-        by default they are fitted to the weight (scale = range / 15)."""
+        """``codes``: the layer's own (q, scale, minimum) per group, as `exact_codes` finds them; by
+        default they are fitted to the weight (scale = range / 15)."""
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
@@ -231,121 +231,87 @@ def _codes_candidate(linear: nn.Linear, of: Callable[[nn.Linear], nn.Module | No
     return w if torch.isfinite(w).all() else None
 
 
-class ExactInt4Linear(Int4Linear):
-    """An fp32 layer whose every weight is a 4-bit code times an fp16 scale plus an fp16 minimum per
-    group of 32 inputs: what a dequantized GGUF Q4_1 (or Q4_0) weight is, and so every decoder layer
-    of our fp32 SmolLM2. Stored as those codes, scales and minima and run on the int4 kernel
-    (`kernels.linear_q4`), which dequantizes in registers to the same fp32 weights (q * scale is
-    exact, + minimum rounds once) and sums each row in the fp32 kernel's order: the fp32 layer's
-    output bit for bit from ~0.75 bytes a weight instead of 4. `of` builds one only where that
-    holds for every weight; the fp32 target is unchanged, its forward streams a quarter of the bytes."""
+MAX_SPAN = 16  # codes a group's smallest step may span (2 in the rare Q4_K group of real weights)
 
-    kind_name, half_scales, min_scale = "int4-exact", True, 2.0 ** -24  # fp16's subnormals too
+
+def exact_codes(w: torch.Tensor, group: int, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Codes q (N, K) in 0..top and fp32 scale, minimum (N, K / group) with q * scale + minimum == w
+    for every weight, the product exact in fp32 (so that the kernels' fused multiply-add rounds as
+    this check does), or None where w is no such weight.
+
+    A dequantized GGUF weight is one: per group its values are codes times a scale (Q8_0, Q5_0, Q4_0,
+    Q6_K per 16) or codes times a scale minus a minimum, rounded once (Q4_1, Q4_K). A group's scale is
+    its smallest step between distinct values divided by the codes that step spans (1, 2, ...: the
+    first that reproduces the group), its minimum its smallest value; the format itself need not be
+    known."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo = g.amin(-1, keepdim=True)
+    steps = g.sort(-1).values.diff(dim=-1)
+    step = torch.where(steps > 0, steps, torch.inf).amin(-1, keepdim=True).view(-1, 1)
+    g, lo = g.view(-1, group), lo.view(-1, 1)
+    scale, codes = torch.zeros_like(lo), torch.zeros_like(g)  # a group of one value: code 0, scale 0
+    todo = (~step.isinf()).view(-1).nonzero().view(-1)
+    for span in range(1, MAX_SPAN + 1):
+        if not todo.numel():
+            break
+        s, x, m = step[todo] / span, g[todo], lo[todo]
+        q = ((x - m) / s).round()
+        exact = (q.double() * s.double() == (q * s).double()) & (q * s + m == x) & (q <= top)
+        fits = exact.all(-1)
+        if span == 1 and not fits.any():  # no group is codes: an fp32 checkpoint's weight, rejected at once
+            return None
+        scale[todo[fits]], codes[todo[fits]] = s[fits], q[fits]
+        todo = todo[~fits]
+    if todo.numel():
+        return None
+    return codes.view(n, k), scale.view(n, k // group), lo.view(n, k // group)
+
+
+class ExactInt4Linear(Int4Linear):
+    """An fp32 layer whose every weight is a 4-bit code times a scale plus a minimum per group of 32
+    inputs (`exact_codes`): a dequantized GGUF Q4_1 / Q4_0 weight (every decoder layer of our fp32
+    SmolLM2) or Q4_K (half of Qwen2.5-Coder's down projections). Stored as those codes, scales and
+    minima and run on the int4 kernel (`kernels.linear_q4`), which dequantizes in registers to the
+    same fp32 weights (q * scale is exact, + minimum rounds once) and sums each row in the fp32
+    kernel's order: the fp32 layer's output bit for bit from ~0.75 bytes a weight instead of 4. `of`
+    builds one only where that holds for every weight; the fp32 target is unchanged, its forward
+    streams a fifth of the bytes."""
+
+    kind_name = "int4-exact"
 
     @classmethod
     def of(cls, linear: nn.Linear) -> "ExactInt4Linear | None":
-        """The layer as exact codes, or None where some weight is not one (or the kernel cannot run it):
-        Q4_1 / Q4_0 groups (scale = range / 15 in fp16), else Q4_K super-blocks (`k_quant_codes`)."""
+        """The layer as exact codes, or None where some weight is not one (or the kernel cannot run it)."""
         w = _codes_candidate(linear, cls.of)
-        if w is None:
+        codes = None if w is None else exact_codes(w, kernels.GROUP, 15)
+        if codes is None:
             return None
-        layer = cls(linear, keep_weight=True)
-        if not (layer.skinny and torch.equal(layer.weight, w)):
-            codes = k_quant_codes(w)
-            if codes is None:
-                return None
-            layer = cls(linear, keep_weight=True, codes=codes)
-            if not (layer.skinny and torch.equal(layer.weight, w)):
-                return None
+        layer = cls(linear, keep_weight=True, codes=codes)
+        exact = layer.skinny and torch.equal(layer.weight, w)
         layer._q = None  # the codes live on in the packed buffers; nothing reads decoder weights
-        return layer
-
-
-SUPER_BLOCK = 256  # inputs per K-quant super-block: one fp16 d (and dmin) for its 8 groups of 32
-
-
-def k_quant_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Codes q (N, K) in 0..15 and fp32 scale, minimum (N, K / 32) with q * scale + minimum == w for
-    every weight, for a dequantized GGUF Q4_K weight; None where none are found (K % 256 != 0, or w
-    is not one).
-
-    Q4_K stores w = (d * sc) * q - dmin * m, with fp16 d, dmin per 256 inputs and 6-bit sc, m per
-    group of 32; d * sc and q * (d * sc) are exact in fp32, so the subtraction is the one rounding, as
-    in the int4 kernel's fma. A group's scale is found from its smallest step between distinct
-    weights (its scale, or a whole multiple of it), as d times a whole number: d is the largest fp16
-    that divides every group's step in the super-block. Its minimum is its smallest weight (where
-    that weight is code 0), else the fp32 value near smallest - t * scale that reproduces the group.
-    The caller still checks every weight."""
-    n, k = w.shape
-    if k % SUPER_BLOCK or not torch.isfinite(w).all():
-        return None
-    g = w.float().view(n, k // 32, 32)
-    lo = g.amin(-1)
-    steps = g.sort(-1).values.diff(dim=-1)
-    step = torch.where(steps > 0, steps, torch.inf).amin(-1)  # inf: a group of one value (scale 0 serves)
-    per_block = step.view(n, k // SUPER_BLOCK, SUPER_BLOCK // 32)
-    smallest = per_block.amin(-1)
-    d = torch.zeros_like(smallest)
-    for multiple in range(64, 0, -1):  # the last d that fits wins: the largest
-        cand = (smallest / multiple).half().float()
-        ratio = per_block / cand[..., None]
-        # a group's step is exact to ~1e-6 relative (its two weights round once each)
-        fits = (((ratio - ratio.round()).abs() <= 1e-4 * ratio) | per_block.isinf()).all(-1) & (cand > 0)
-        d = torch.where(fits, cand, d)
-    whole = torch.where(per_block.isinf(), 0.0, (per_block / d[..., None]).round())
-    if (d[..., None] == 0).logical_and(~per_block.isinf()).any():
-        return None
-    scale = torch.where(whole > 0, d[..., None] * whole, 0.0).view(n, k // 32)
-    safe = torch.where(scale > 0, scale, 1.0)[..., None]
-    q = torch.where(scale[..., None] > 0, ((g - lo[..., None]) / safe).round(), 0.0)
-    minimum = lo.clone()
-    bad = ((q > 15) | (q * scale[..., None] + lo[..., None] != g)).any(-1)
-    for row, group in bad.nonzero().tolist():  # a step of several codes, or no code 0: search the group
-        found = _group_codes(g[row, group], d.view(n, -1)[row, group // 8].item(), int(whole.view(n, -1)[row, group]))
-        if found is None:
-            return None
-        q[row, group], scale[row, group], minimum[row, group] = found
-    return q.view(n, k).to(torch.uint8), scale, minimum
-
-
-def _group_codes(group: torch.Tensor, d: float, whole: int) -> tuple[torch.Tensor, float, float] | None:
-    """Codes, scale and minimum reproducing one Q4_K group whose smallest step is d * whole: the scale
-    is d * whole / j for a j dividing whole (the step spans j codes), and the minimum lies within an
-    ulp of the smallest weight minus t scales (t = the smallest weight's code)."""
-    lo = group.min()
-    near = torch.arange(-64, 65, dtype=torch.int32)  # fp32 neighbours of each estimate, by bit pattern
-    for j in (j for j in range(1, 16) if whole % j == 0):
-        scale = d * (whole // j)
-        for t in range(16):
-            estimate = torch.tensor(lo.double().item() - t * scale, dtype=torch.float32)
-            cands = (estimate.view(torch.int32) + near).view(torch.float32) if t else lo[None]
-            q = ((group[None] - cands[:, None]) / scale).round()
-            ok = ((q >= 0) & (q <= 15) & (q * scale + cands[:, None] == group[None])).all(-1)
-            if ok.any():
-                i = int(ok.nonzero()[0])
-                return q[i], scale, cands[i].item()
-    return None
+        return layer if exact else None
 
 
 class ExactInt8Linear(nn.Module):
-    """`ExactInt4Linear` for 8-bit codes: a weight that is a signed integer code times an fp16 scale
-    per group of 32 inputs: a dequantized GGUF Q8_0 (codes -127..127: SmolLM2's embedding, which its
-    LM head shares; Qwen2.5's LM head and value projections), Q5_0 (-16..15: most of Qwen2.5's
-    layers) or Q4_0 (-8..7), each group in whichever form reproduces it. Stored as code + 128 with
-    minimum -128 * scale (exact) and run on `kernels.linear_q8`: the fp32 layer's output bit for bit
-    from 1.25 bytes a weight. An LM head keeps its fp32 `weight` (a tied embedding's, whose rows the
-    draft head reads); a decoder layer keeps only the codes."""
+    """`ExactInt4Linear` for 8-bit codes, with a scale and minimum per 32 inputs (a dequantized GGUF
+    Q8_0, Q5_0 or Q4_0: SmolLM2's embedding, which its LM head shares; Qwen2.5's LM head and most of
+    its layers) or per 16 (Q6_K: the other half of Qwen2.5-Coder's down projections). Run on
+    `kernels.linear_q8`: the fp32 layer's output bit for bit from 1.25 bytes a weight (1.5 per 16).
+    An LM head keeps its fp32 `weight` (a tied embedding's, whose rows the draft head reads); a
+    decoder layer keeps only the codes."""
 
-    CODE_RANGES = (127, 16, 8)  # the largest |code| of Q8_0, Q5_0 and Q4_0: each group's scale is max |w| / that
+    GROUPS = (32, 16)  # inputs per scale and minimum, tried in this order (fewer bytes first)
 
-    def __init__(self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, keep_weight: bool = True):
+    def __init__(self, linear: nn.Linear, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 keep_weight: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # an LM head's: shared with a tied embedding, the draft head reads its rows; a decoder layer's: dropped
         self.weight = linear.weight if keep_weight else None
         self.bias = linear.bias
-        packed = kernels.pack_q8(codes, scale, -128 * scale)
-        self._operands = (*packed, None if self.bias is None else self.bias.detach().float())
+        self.group = self.in_features // codes[1].shape[1]
+        self._operands = (*kernels.pack_q8(*codes), None if self.bias is None else self.bias.detach().float())
 
     @classmethod
     def of(cls, linear: nn.Linear, keep_weight: bool = True) -> "ExactInt8Linear | None":
@@ -353,25 +319,14 @@ class ExactInt8Linear(nn.Module):
         w = _codes_candidate(linear, cls.of)
         if w is None:
             return None
-        n, k = w.shape
-        g = w.view(n, k // kernels.GROUP, kernels.GROUP)
-        amax = g.abs().amax(-1)
-        scale, codes = torch.ones_like(amax), torch.full_like(g, 128.0)  # all-zero groups: code 0, any scale
-        todo = amax > 0
-        for top in cls.CODE_RANGES:
-            s = (amax / top).half().float()
-            q = torch.round(g / s[..., None]).clamp(-128, 127) + 128
-            # the product is exact in fp32, so this is the kernel's one rounding
-            fits = todo & (s > 0) & (q * s[..., None] - 128 * s[..., None] == g).all(-1)
-            scale, codes, todo = torch.where(fits, s, scale), torch.where(fits[..., None], q, codes), todo & ~fits
-        if todo.any():
-            return None
-        return cls(linear, codes.view(n, k), scale, keep_weight)
+        codes = next((c for c in (exact_codes(w, group, 255) for group in cls.GROUPS) if c is not None), None)
+        return None if codes is None else cls(linear, codes, keep_weight)
 
     def kernel_spec(self) -> kernels.LinearSpec:
         """This layer as `kernels.decoder_layer` calls it."""
         codes, sp, mp, bias = self._operands
-        return kernels.LinearSpec("q8", codes.shape[1], self.out_features, (codes, sp, mp), bias)
+        return kernels.LinearSpec("q8" if self.group == 32 else "q8g16", codes.shape[1], self.out_features,
+                                  (codes, sp, mp), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -387,7 +342,7 @@ class ExactInt8Linear(nn.Module):
 
 def exact_or_packed(linear: nn.Linear) -> nn.Module:
     """An fp32 linear layer for eaglespec's kernels: `ExactInt4Linear` where its weights are exact
-    4-bit codes (with a minimum), else `ExactInt8Linear` where they are exact signed codes, else
+    4-bit codes, else `ExactInt8Linear` where they are exact 8-bit ones, else
     `PackedLinear`. Each gives the same output bits."""
     return ExactInt4Linear.of(linear) or ExactInt8Linear.of(linear, keep_weight=False) or PackedLinear(linear)
 

@@ -325,18 +325,19 @@ void skinny_linear_q4q8(const float *x, long M, long K, const unsigned char *qp,
  * w = q * scale + minimum (one fused rounding, the same for every row count). K % 32 == 0.
  * A block streams 16 bytes per k step instead of 128: the dequantization, not memory, sets the
  * time, and it is paid once per k step for all rows of a pass. */
-/* a 4- or 8-bit block's k steps: per group of 32 its scale and minimum, then per k step the NV weight
- * vectors w = code * scale + minimum (QLOAD(), one fused rounding) used for R rows */
-#define GROUP_STEPS(R, QLOAD)                                                                 \
-    for (long g = 0; g < K / 32; g++) {                                                       \
+/* a 4- or 8-bit block's k steps: per group of GS inputs its scale and minimum, then per k step the NV
+ * weight vectors w = code * scale + minimum (QLOAD(), one fused rounding) used for R rows */
+#define GROUP_STEPS_OF(R, QLOAD, GS)                                                          \
+    for (long g = 0; g < K / GS; g++) {                                                       \
         vec s[NV], m[NV];                                                                     \
         for (int v = 0; v < NV; v++) s[v] = vload(sp + g * NR + v * VW), m[v] = vload(mp + g * NR + v * VW); \
-        for (long k = g * 32; k < g * 32 + 32; k++) {                                         \
+        for (long k = g * GS; k < g * GS + GS; k++) {                                         \
             vec w[NV];                                                                        \
             QLOAD()                                                                           \
             ROWS(R)                                                                           \
         }                                                                                     \
     }
+#define GROUP_STEPS(R, QLOAD) GROUP_STEPS_OF(R, QLOAD, 32)
 #if NV == 2 /* columns 0-15 in the low nibbles, 16-31 in the high ones */
 #define DEQUANT w[0] = vfma(CODES(lo), s[0], m[0]); w[1] = vfma(CODES(hi), s[1], m[1]);
 #else
@@ -361,8 +362,8 @@ static inline void block_q4(int mr, const float *x, long K, const unsigned char 
 }
 
 /* The 4- and 8-bit kernels' outer loop: blocks over the threads, rows MRQ at a time (BYTES: code
- * bytes per k step of a block) */
-#define QUANT_LINEAR(NAME, BLOCK, BYTES)                                                      \
+ * bytes per k step of a block; GS: inputs per scale group) */
+#define QUANT_LINEAR(NAME, BLOCK, BYTES, GS)                                                  \
 void NAME(const float *x, long M, long K, const unsigned char *qp, const float *sp, const float *mp, \
           long N, const float *bias, float *y, int threads) {                                \
     long blocks = N / NR;                                                                     \
@@ -370,12 +371,12 @@ void NAME(const float *x, long M, long K, const unsigned char *qp, const float *
     for (long b = 0; b < blocks; b++) {                                                       \
         for (long m0 = 0; m0 < M; m0 += MRQ) {                                                \
             int mr = (M - m0) < MRQ ? (int)(M - m0) : MRQ;                                    \
-            BLOCK(mr, x + m0 * K, K, qp + b * K * BYTES, sp + b * (K / 32) * NR, mp + b * (K / 32) * NR, \
+            BLOCK(mr, x + m0 * K, K, qp + b * K * BYTES, sp + b * (K / GS) * NR, mp + b * (K / GS) * NR, \
                   y + m0 * N + b * NR, N, bias ? bias + b * NR : 0);                          \
         }                                                                                     \
     }                                                                                         \
 }
-QUANT_LINEAR(skinny_linear_q4, block_q4, 16)
+QUANT_LINEAR(skinny_linear_q4, block_q4, 16, 32)
 
 /* The 8-bit variant (ExactInt8Linear: a dequantized GGUF Q8_0 weight as its codes). qp: (N / 32, K, 32)
  * bytes, byte j of step k holding column j; sp, mp as skinny_linear_q4's. w = q * scale + minimum in
@@ -389,15 +390,22 @@ QUANT_LINEAR(skinny_linear_q4, block_q4, 16)
     if (!(k & 1)) _mm_prefetch((const char *)(qp + (k + 2 * PFD) * 32), _MM_HINT_T0);        \
     for (int v = 0; v < NV; v++) w[v] = vfma(CODES(CODE_BYTES(qp + k * 32 + v * VW)), s[v], m[v]);
 #define STEPS_Q8(R) GROUP_STEPS(R, Q8_LOAD)
-static inline void block_q8(int mr, const float *x, long K, const unsigned char *qp, const float *sp,
-                            const float *mp, float *y, long ldy, const float *bias) {
-    vec acc[MRQ][NV];
-    for (int i = 0; i < mr; i++)
-        for (int v = 0; v < NV; v++) acc[i][v] = vzero();
-    CASES(STEPS_Q8, MRQ)
-    store(mr, acc, y, ldy, bias);
+#define STEPS_Q8G16(R) GROUP_STEPS_OF(R, Q8_LOAD, 16)
+#define BLOCK_Q8(NAME, STEPS)                                                                 \
+static inline void NAME(int mr, const float *x, long K, const unsigned char *qp, const float *sp, \
+                        const float *mp, float *y, long ldy, const float *bias) {             \
+    vec acc[MRQ][NV];                                                                         \
+    for (int i = 0; i < mr; i++)                                                              \
+        for (int v = 0; v < NV; v++) acc[i][v] = vzero();                                     \
+    CASES(STEPS, MRQ)                                                                         \
+    store(mr, acc, y, ldy, bias);                                                             \
 }
-QUANT_LINEAR(skinny_linear_q8, block_q8, 32)
+BLOCK_Q8(block_q8, STEPS_Q8)
+QUANT_LINEAR(skinny_linear_q8, block_q8, 32, 32)
+/* The same with a scale and minimum per 16 inputs (a dequantized GGUF Q6_K weight: 6-bit codes times
+ * an fp16 d times an 8-bit scale per 16). sp, mp: (N / 32, K / 16, 32). K % 16 == 0. */
+BLOCK_Q8(block_q8g16, STEPS_Q8G16)
+QUANT_LINEAR(skinny_linear_q8g16, block_q8g16, 32, 16)
 
 #ifdef __AVX512F__
 /* Row-exact attention for few query rows (see attention.py): each (row, head) attends over its own
@@ -509,7 +517,7 @@ typedef struct {
     const float *hnorm; /* EAGLE-3's mid layer: q/k/v read [norm1(embedding) ; hnorm(x)] (2H), residual x */
 } layer_t;
 
-enum { LIN_F32, LIN_BF16, LIN_Q4, LIN_BF16DOT, LIN_Q4DOT, LIN_Q4Q8, LIN_Q8 };
+enum { LIN_F32, LIN_BF16, LIN_Q4, LIN_BF16DOT, LIN_Q4DOT, LIN_Q4Q8, LIN_Q8, LIN_Q8G16 };
 
 static void run_linear(const lin_t *l, const float *x, long M, float *y, int threads) {
     switch (l->kind) {
@@ -522,6 +530,10 @@ static void run_linear(const lin_t *l, const float *x, long M, float *y, int thr
         case LIN_Q8:
             skinny_linear_q8(x, M, l->K, (const unsigned char *)l->w0, (const float *)l->w1, (const float *)l->w2,
                              l->N, l->bias, y, threads);
+            break;
+        case LIN_Q8G16:
+            skinny_linear_q8g16(x, M, l->K, (const unsigned char *)l->w0, (const float *)l->w1, (const float *)l->w2,
+                                l->N, l->bias, y, threads);
             break;
 #ifdef __AVX512BF16__
         case LIN_BF16DOT:
