@@ -44,6 +44,32 @@ def test_greedy_equals_vanilla_and_hf(tiny_pair, tree):
     assert max(eag.stats.accept_lengths) > 1  # drafts were really accepted
 
 
+def test_verification_runs_the_lm_head_over_the_rows_the_walk_reads(tiny_pair):
+    """`NodeRows` computes a node with its first-child chain on first use, once; the engine's rounds
+    on the paper tree (26 rows, a top path of 6) run the target's LM head over the top path and the
+    nodes acceptance reaches off it, never over the whole tree, and stay vanilla's, greedy and sampled."""
+    from eaglespec.spec.engine import NodeRows, first_child_chain
+
+    children = [[1, 2], [3], [4], [], []]  # 0 -> 1 -> 3 and 0 -> 2 -> 4
+    calls = []
+    rows = NodeRows(lambda nodes: calls.append(list(nodes)) or [10 * n for n in nodes], children, {1: -1})
+    assert first_child_chain(0, children) == [0, 1, 3]
+    assert (rows[0], rows[3], rows[1]) == (0, 30, -1) and calls == [[0, 3]]  # 1 was ready
+    assert rows[2] == 20 and rows[4] == 40 and calls == [[0, 3], [2, 4]]
+
+    model, head = tiny_pair
+    eng = Engine(model, head, tree="paper")
+    lm_head, sizes = eng.lm_head, []
+    eng.lm_head = lambda x: sizes.append(x.shape[0]) or lm_head(x)
+    for ids in PROMPTS:
+        eag = eng.generate(ids, 30, method="eagle")
+        assert eag.token_ids == eng.generate(ids, 30, method="vanilla").token_ids == hf_greedy(model, ids, 30)
+    assert max(eag.stats.accept_lengths) > 1 and sizes and max(sizes) == 6  # the top path, not 26 rows
+    sizes.clear()
+    eng.generate(PROMPTS[0], 30, SamplingParams(temperature=1.0), seed=0)
+    assert max(sizes) == 6
+
+
 @pytest.mark.parametrize("tree", ["paper", "dynamic:3,2,6"])
 def test_two_layer_head(tiny_pair, tree):
     """A head grown to two layers (the second perturbed so it matters): its cache holds both layers

@@ -216,6 +216,35 @@ def sibling_q(q: torch.Tensor, earlier: list[int], token: int) -> torch.Tensor |
     return renormalise(qc)
 
 
+LAZY_LM_HEAD_ROWS = 8  # rows off a tree's top path from which verification skips their LM head until read
+
+
+def first_child_chain(node: int, children: list[list[int]]) -> list[int]:
+    """The node and its first child, that child's first child, ...: the drafted top path below it."""
+    chain = [node]
+    while children[chain[-1]]:
+        chain.append(children[chain[-1]][0])
+    return chain
+
+
+class NodeRows:
+    """What acceptance reads at each tree node of one sequence (the target's argmax there, or its
+    processed law), computed on first use by ``compute(nodes)`` for the node and its first-child
+    chain in one call. A walk reads only the root and the nodes it accepts, so most of a wide
+    tree's rows never reach the target's LM head (a quarter of a verified row's work on the models
+    here). ``ready`` holds values computed beforehand. The LM head kernels sum each row alone, so a
+    row's logits are the same bits in any call."""
+
+    def __init__(self, compute: Callable[[list[int]], Sequence], children: list[list[int]], ready: dict | None = None):
+        self.compute, self.children, self.values = compute, children, dict(ready or {})
+
+    def __getitem__(self, node: int):
+        if node not in self.values:
+            chain = [n for n in first_child_chain(node, self.children) if n not in self.values]
+            self.values.update(zip(chain, self.compute(chain)))
+        return self.values[node]
+
+
 class Engine:
     """EAGLE (and vanilla) generation for one target model and an optional draft head. `tree` drafts
     every request; `sampled_tree`, if not None, those at temperature > 0 (through an engine of its own
@@ -817,15 +846,22 @@ class Engine:
                               self.dtype)
         feats = self._forward(torch.tensor(node_tokens, device=self.device), positions, cache, mask, aux,
                               None if ragged else tree.ancestors)
-        logits = self.lm_head(feats[..., : self.hidden_size])
+        hidden = feats[..., : self.hidden_size]
+        # wide trees: the LM head first runs over every root's top path (one call), then over the nodes
+        # a walk reaches off it; others over all rows at once, as a call off the path streams the whole
+        # LM head again (about what 4 of its rows compute, on the CPUs here)
+        top = first_child_chain(0, tree.children)
+        first = top if tree.n - len(top) >= LAZY_LM_HEAD_ROWS else list(range(tree.n))
+        compute = self.backend.argmax if sp.greedy else (lambda x: target_probs(x, sp))
+        values = compute(self.lm_head(hidden[:, first].reshape(-1, self.hidden_size)))
         paths, bonuses = [], []
-        argmax = self.backend.argmax(logits) if sp.greedy else None
         for b in range(len(rows)):
+            at_node = NodeRows(lambda nodes, b=b: compute(self.lm_head(hidden[b, nodes])), tree.children,
+                               dict(zip(first, values[b * len(first):(b + 1) * len(first)])))
             if sp.greedy:
-                path, bonus = greedy_accept(argmax[b], node_tokens[b], tree.children)
+                path, bonus = greedy_accept(at_node, node_tokens[b], tree.children)
             else:
-                path, bonus = sample_accept(target_probs(logits[b], sp), node_tokens[b], tree.children,
-                                            draft.laws[b], gen, self.backend)
+                path, bonus = sample_accept(at_node, node_tokens[b], tree.children, draft.laws[b], gen, self.backend)
             paths.append(path)
             bonuses.append(bonus)
         if tree.n > 1 or ragged:  # a plain aligned step is already in place
