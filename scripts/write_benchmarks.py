@@ -33,7 +33,7 @@ within one section.
   weights are a dequantized GGUF: the same logits bit for bit); `int4-q8` is a quantized target
   with its own vanilla. Every method of a table runs the same target in the same process. The
   Qwen2.5-Coder-0.5B-Instruct tables run its shipped head (its card in
-  `src/eaglespec/heads/qwen2.5-coder-0.5b-instruct`), 3 questions per set, and llama.cpp on its GGUF
+  `src/eaglespec/heads/qwen2.5-coder-0.5b-instruct`), 4 questions per set, and llama.cpp on its GGUF
   (Q4_K, Q5_0, Q6_K and Q8_0 blocks).
 - **Questions**: first turns, 8 per set spread evenly over it (MT-bench: one per category), 128
   new tokens, chat template, T = 0 and T = 1 (top-p 1).
