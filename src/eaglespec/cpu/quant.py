@@ -232,6 +232,7 @@ def _codes_candidate(linear: nn.Linear, of: Callable[[nn.Linear], nn.Module | No
 
 
 MAX_SPAN = 16  # codes a group's smallest step may span (2 in the rare Q4_K group of real weights)
+CODE_ROWS = 4096  # output rows per search in exact_codes
 
 
 def exact_codes(w: torch.Tensor, group: int, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -243,9 +244,21 @@ def exact_codes(w: torch.Tensor, group: int, top: int) -> tuple[torch.Tensor, to
     Q6_K per 16) or codes times a scale minus a minimum, rounded once (Q4_1, Q4_K). A group's scale is
     its smallest step between distinct values divided by the codes that step spans (1, 2, ...: the
     first that reproduces the group), its minimum its smallest value; the format itself need not be
-    known."""
+    known. Rows are searched `CODE_ROWS` at a time (a sort's copies of a whole LM head would take
+    gigabytes)."""
+    parts = []
+    for start in range(0, w.shape[0], CODE_ROWS):
+        part = _exact_codes(w[start:start + CODE_ROWS], group, top)
+        if part is None:
+            return None
+        parts.append(part)
+    codes, scale, minimum = zip(*parts)
+    return torch.cat(codes), torch.cat(scale), torch.cat(minimum)
+
+
+def _exact_codes(w: torch.Tensor, group: int, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     n, k = w.shape
-    g = w.float().view(n, k // group, group)
+    g = w.float().reshape(n, k // group, group)
     lo = g.amin(-1, keepdim=True)
     steps = g.sort(-1).values.diff(dim=-1)
     step = torch.where(steps > 0, steps, torch.inf).amin(-1, keepdim=True).view(-1, 1)
