@@ -16,6 +16,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 DATASETS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca"}
@@ -47,8 +48,9 @@ within one section.
 - **Timing**: one warm-up question per method, then methods interleaved question by question;
   tok/s is new tokens over wall time summed over questions (prefill included); speedup is against
   `vanilla` on the same questions. tau is tokens per verification round. "ceiling" is the speedup
-  the same rounds would give if drafting and bookkeeping cost nothing (the target's verifying
-  forwards alone): what the head's acceptance and this CPU's cost per verified row allow.
+  the same rounds would give if drafting and bookkeeping cost nothing (the target's forwards alone,
+  prefill and verification, against vanilla's): what the head's acceptance and this CPU's cost per
+  verified row allow, so a row's speedup over its ceiling is the share drafting leaves.
 - **Lossless**: at T = 0 every EAGLE row's tokens are compared with vanilla's, question by question.
 """
 
@@ -58,8 +60,17 @@ def slug(kind: str) -> str:
 
 
 def load(run: Path, stage: str) -> dict | None:
+    """A stage's results; an `eaglespec bench` run's summary is recomputed from its records, so every
+    table derives its columns (speedups, ceilings) the way this checkout defines them."""
     path = run / stage / "results.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    if result.get("records") and "methods" in result.get("config", {}):
+        from eaglespec.bench.harness import summarize
+
+        result["summary"] = summarize(result["records"], SimpleNamespace(methods=result["config"]["methods"]))
+    return result
 
 
 def fx(x: float | None, unit: str = "x", nd: int = 2) -> str:

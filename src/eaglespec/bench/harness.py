@@ -366,15 +366,17 @@ def summarize(records: list[dict], cfg: BenchConfig) -> list[dict]:
             t = sum(r["time_s"] - r["prefill_time_s"] for r in rs)
             return sum(r["new_tokens"] - 1 for r in rs) / t if t > 0 else None
 
-        def verify_tps(rs):  # the same tokens over the target's decode forwards alone: what drafting costs left out
-            if not rs or any("verify_time_s" not in r for r in rs):
+        def target_tps(rs, prefill: bool):  # the same tokens over the target's forwards alone (the prompt's too
+            # when `prefill`): what drafting and the loop's bookkeeping cost left out
+            keys = ("verify_time_s", "prefill_time_s") if prefill else ("verify_time_s",)
+            if not rs or any(k not in r for r in rs for k in keys):
                 return None
-            t = sum(r["verify_time_s"] for r in rs)
-            return sum(r["new_tokens"] - 1 for r in rs) / t if t > 0 else None
+            t = sum(r[k] for r in rs for k in keys)
+            return sum(r["new_tokens"] - (0 if prefill else 1) for r in rs) / t if t > 0 else None
 
         base_v, base_h = tps(by_method.get("vanilla", [])), tps(by_method.get("hf", []))
         base_d = decode_tps(by_method.get("vanilla", []))
-        base_f = verify_tps(by_method.get("vanilla", []))
+        base_f = {p: target_tps(by_method.get("vanilla", []), p) for p in (True, False)}
         pq_v = per_q(by_method.get("vanilla", []))
         for m, rs in by_method.items():
             if not rs:
@@ -387,9 +389,11 @@ def summarize(records: list[dict], cfg: BenchConfig) -> list[dict]:
             d = decode_tps(rs)
             row["decode_speedup_vs_vanilla"] = d / base_d if d and base_d else None  # the prompt's share left out
             # the ceiling of this method's trees on this target: its speedup if drafting and the loop's
-            # bookkeeping (vanilla's too) cost nothing, i.e. verification's cost against acceptance alone
-            f = verify_tps(rs)
-            row["free_draft_speedup"] = f / base_f if f and base_f else None
+            # bookkeeping (vanilla's too) cost nothing, i.e. the target's forwards against acceptance alone;
+            # with the prefill it bounds `speedup_vs_vanilla`, without it `decode_speedup_vs_vanilla`
+            for key, p in (("free_draft_speedup", True), ("free_draft_decode_speedup", False)):
+                f = target_tps(rs, p)
+                row[key] = f / base_f[p] if f and base_f[p] else None
             ratios = [v / pq_v[k] for k, v in per_q(rs).items() if k in pq_v and pq_v[k] > 0]
             row["median_ratio_vs_vanilla"] = statistics.median(ratios) if ratios else None
             if "rounds" in rs[0]:
