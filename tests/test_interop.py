@@ -169,6 +169,13 @@ def test_export_cli(tmp_path, capsys):
     assert main(["export", str(root / "head"), "--format", "eagle1", "--out", str(root / "x"),
                  "--model", str(root / "model")]) == 2
     assert "arch is hybrid" in capsys.readouterr().err
+    for fmt in ("eaglespec", "eagle1"):  # --dtype casts every layout's weights (a shipped head in bf16)
+        assert main(["export", str(root / "e1"), "--format", fmt, "--dtype", "bfloat16", "--out",
+                     str(root / f"bf16-{fmt}"), "--model", str(root / "model")]) == 0
+        written = next(f for f in (root / f"bf16-{fmt}").iterdir() if f.suffix in (".safetensors", ".bin"))
+        tensors = (load_file(str(written)) if written.suffix == ".safetensors"
+                   else torch.load(written, weights_only=True))
+        assert {v.dtype for v in tensors.values() if v.is_floating_point()} == {torch.bfloat16}
 
 
 # -- official EAGLE (eagle-llm, pip install --no-deps eagle-llm==1.2.1) ------------------------------

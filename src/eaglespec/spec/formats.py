@@ -217,7 +217,7 @@ def export_head(head: "EagleDraftHead", layout: str, out: str | os.PathLike, tar
         raise EaglespecError(f"format must be one of {LAYOUTS}, got {layout!r}")
     out = Path(out)
     if layout == "eaglespec":
-        head.save_pretrained(out)
+        head.save_pretrained(out, dtype=dtype)
         return out
     want = "eagle1" if layout == "eagle1" else "eagle3"
     if head.arch != want:
