@@ -569,6 +569,8 @@ def test_lookup_budget_follows_costs_and_acceptance(tiny_pair):
     for _ in range(400):  # only the first proposed (and rejected): the second forgets its misses
         policy.observe_lookup(tree, [], [tree.paths[1]])
     assert policy.lookup_rates(1)[0] < 0.05 and ratio(policy.lookup_hits[1], 0.01) > 0.3
+    policy.start()  # a new text: its guesses are judged afresh, from the prior
+    assert policy.lookup_rates(2) == [policy._lookup_prior(0), policy._lookup_prior(1)]
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -71,6 +71,9 @@ class AutoPolicy(DraftPolicy):
             self.live = LiveCosts(self.costs) if self.refit else self.costs
         if self.gate is not None:
             self.gate.new_text()
+        # how often prompt-lookup guesses land is the text's, not the head's (code that restates its
+        # prompt against prose): a new text starts from the prior, not from the last text's misses
+        self.lookup_hits = []
         self._drafted_last = False
 
     # -- whether to draft, and how much ------------------------------------------------------------
