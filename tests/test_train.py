@@ -358,6 +358,45 @@ def test_corrupt_shard_names_the_file(tiny_features, tmp_path):
                           max_steps=1))
 
 
+def test_a_shard_cut_short_in_its_data_names_the_file(tiny_features, tmp_path):
+    """The header intact, the tensors cut: the memory-mapped reader refuses it at load, not mid-epoch."""
+    import shutil
+
+    from eaglespec.train.trainer import load_split
+
+    feats = tmp_path / "feats"
+    shutil.copytree(tiny_features / "feats", feats)
+    shard = sorted((feats / "train").glob("*.safetensors"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 64])
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_split(feats / "train")
+
+
+def test_features_are_read_from_disk_a_conversation_at_a_time(tiny_features, tmp_path):
+    """load_split keeps ids and masks in memory and reads each conversation's features (and aux
+    layers after them) from the shard when indexed: the same values `read_shard` / `read_aux` load."""
+    import shutil
+
+    from eaglespec.train.extract import read_aux
+    from eaglespec.train.trainer import FeatureRows, load_split
+
+    feats = tmp_path / "feats"
+    shutil.copytree(tiny_features / "feats", feats)
+    extract(ExtractConfig(model=str(tiny_features / "model"), out_dir=str(feats), aux_layers="1,2", aux_only=True))
+    seqs = load_split(feats / "train", aux_layers=[1, 2])
+    assert isinstance(seqs.feats, FeatureRows) and seqs.width == 3 * 64
+    i = 0
+    for shard in sorted((feats / "train").glob("shard_*[0-9].safetensors")):
+        t = read_shard(shard)
+        aux = read_aux(shard, [1, 2], t["features"].shape[0])
+        for a, b in zip(t["offsets"].tolist(), t["offsets"][1:].tolist()):
+            want = torch.cat([t["features"][a:b, None], aux[a:b]], 1).flatten(1)
+            assert torch.equal(seqs.feats[i], want) and torch.equal(seqs.ids[i], t["input_ids"][a:b].long())
+            i += 1
+    assert i == len(seqs.feats) == len(seqs.ids) > 1
+
+
 def test_interrupted_extract_leaves_a_true_manifest(tiny_features, tmp_path, monkeypatch):
     """Killed mid-split, the manifest still lists exactly the shards on disk (and a rerun resumes)."""
     import eaglespec.train.extract as ex

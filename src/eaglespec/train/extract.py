@@ -17,10 +17,10 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..errors import CheckpointError, EaglespecError
@@ -237,35 +237,81 @@ def aux_path(shard: Path) -> Path:
     return shard.with_name(shard.stem + ".aux.safetensors")
 
 
+def _open(path: Path, what: str):
+    """A safetensors file opened memory-mapped; a corrupt or foreign one is an error naming it."""
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated {what} ({e}); delete it and re-run extract") from None
+
+
+def _check_shard(path: Path, keys, shape: Callable[[str], list[int]], n: int) -> None:
+    missing = [k for k in SHARD_KEYS if k not in keys]
+    if missing:
+        raise CheckpointError(f"{path}: not a feature shard (missing {missing})")
+    if any(shape(k)[0] != n for k in ("input_ids", "features", "loss_mask")) or len(shape("features")) != 2:
+        raise CheckpointError(f"{path}: inconsistent shard (offsets say {n} tokens)")
+
+
+def _check_aux(path: Path, keys, read: Callable[[str], torch.Tensor], shape: Callable[[str], list[int]],
+               layers: list[int], n: int) -> None:
+    if "aux" not in keys or "layers" not in keys:
+        raise CheckpointError(f"{path}: not an aux shard (needs 'aux' and 'layers')")
+    if read("layers").tolist() != list(layers):
+        raise CheckpointError(f"{path}: holds layers {read('layers').tolist()}, the head fuses {list(layers)}")
+    if len(shape("aux")) != 3 or shape("aux")[:2] != [n, len(layers)]:
+        raise CheckpointError(f"{path}: aux shape {tuple(shape('aux'))} does not match its shard ({n} tokens)")
+
+
+def _open_aux(shard: Path, layers: list[int]):
+    path = aux_path(shard)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; run `eaglespec extract --aux-layers "
+                              f"{','.join(map(str, layers))}` on this feature folder")
+    return path, _open(path, "aux shard")
+
+
 def read_aux(shard: Path, layers: list[int], n: int) -> torch.Tensor:
     """(n, k, H) aux features of `shard` for exactly these layers; a clear error otherwise."""
-    path = aux_path(shard)
-    try:
-        t = load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; run `eaglespec extract --aux-layers "
-                              f"{','.join(map(str, layers))}` on this feature folder") from None
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: corrupt or truncated aux shard ({e}); delete it and re-run extract") from None
-    if "aux" not in t or "layers" not in t:
-        raise CheckpointError(f"{path}: not an aux shard (needs 'aux' and 'layers')")
-    if t["layers"].tolist() != list(layers):
-        raise CheckpointError(f"{path}: holds layers {t['layers'].tolist()}, the head fuses {list(layers)}")
-    if t["aux"].dim() != 3 or t["aux"].shape[:2] != (n, len(layers)):
-        raise CheckpointError(f"{path}: aux shape {tuple(t['aux'].shape)} does not match its shard ({n} tokens)")
+    path, f = _open_aux(shard, layers)
+    t = {k: f.get_tensor(k) for k in f.keys()}
+    _check_aux(path, t.keys(), t.__getitem__, lambda k: list(t[k].shape), layers, n)
     return t["aux"]
 
 
 def read_shard(path: Path) -> dict[str, torch.Tensor]:
     """Load and check one shard; a truncated or foreign file gives an error naming it."""
-    try:
-        t = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: corrupt or truncated feature shard ({e}); delete it and re-run extract") from None
-    missing = [k for k in SHARD_KEYS if k not in t]
-    if missing:
-        raise CheckpointError(f"{path}: not a feature shard (missing {missing})")
-    n = int(t["offsets"][-1])
-    if t["input_ids"].shape[0] != n or t["features"].shape[0] != n or t["loss_mask"].shape[0] != n:
-        raise CheckpointError(f"{path}: inconsistent shard (offsets say {n} tokens)")
+    f = _open(path, "feature shard")
+    t = {k: f.get_tensor(k) for k in f.keys()}
+    n = int(t["offsets"][-1]) if "offsets" in t else -1
+    _check_shard(path, t.keys(), lambda k: list(t[k].shape), n)
     return t
+
+
+class ShardReader:
+    """One shard checked as `read_shard` / `read_aux` check it, its features (with `aux_layers`, those
+    layers' hidden states after them) read a row range at a time from the memory-mapped files: a
+    training set may be larger than memory, and processes reading the same shards share their pages."""
+
+    def __init__(self, path: Path, aux_layers: list[int] | None = None):
+        f = _open(path, "feature shard")
+        keys = set(f.keys())
+        small = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "offsets", "token_counts") if k in keys}
+        n = int(small["offsets"][-1]) if "offsets" in small else -1
+        _check_shard(path, keys, lambda k: f.get_slice(k).get_shape(), n)
+        self.input_ids, self.loss_mask = small["input_ids"], small["loss_mask"]
+        self.offsets, self.token_counts = small["offsets"].tolist(), small["token_counts"]
+        self._features, self._aux = f.get_slice("features"), None
+        self.width = f.get_slice("features").get_shape()[1]
+        if aux_layers:
+            apath, a = _open_aux(path, aux_layers)
+            _check_aux(apath, set(a.keys()), a.get_tensor, lambda k: a.get_slice(k).get_shape(), aux_layers, n)
+            self._aux = a.get_slice("aux")
+            self.width *= 1 + len(aux_layers)
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """Features of tokens [a, b): (b - a, width), fp16."""
+        feats = self._features[a:b]
+        if self._aux is None:
+            return feats
+        return torch.cat([feats[:, None], self._aux[a:b].to(feats.dtype)], 1).flatten(1)

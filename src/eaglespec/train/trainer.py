@@ -22,6 +22,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Iterator
 
 import torch
@@ -35,7 +36,7 @@ from ..spec.head import ARCHS, INPUT_MODES, EagleDraftHead, eagle3_layers, read_
 from ..io import atomic_torch_save, atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
 from ..spec.tree import float_mask
-from .extract import parse_layers, read_aux, read_shard, shard_files
+from .extract import ShardReader, parse_layers, shard_files
 
 
 @dataclass
@@ -107,37 +108,54 @@ class TrainConfig:
 
 
 # -- data ---------------------------------------------------------------------------------------------
+class FeatureRows(Sequence):
+    """Each conversation's features, read from its shard when indexed (`ShardReader.rows`)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[ShardReader, int, int]] = []
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        reader, a, b = self.spans[i]
+        return reader.rows(a, b)
+
+
 @dataclass
 class Sequences:
+    """A split's conversations: token ids and loss masks in memory, features as `FeatureRows` (or
+    any sequence of (n, width) tensors)."""
     ids: list[torch.Tensor] = field(default_factory=list)
-    feats: list[torch.Tensor] = field(default_factory=list)
+    feats: Sequence[torch.Tensor] = field(default_factory=list)
     mask: list[torch.Tensor] = field(default_factory=list)
     token_counts: torch.Tensor | None = None
+    width: int = 0
 
 
 def load_split(*folders: Path, aux_layers: list[int] | None = None) -> Sequences:
     """Every shard of the given split folders, in order. With `aux_layers`, each conversation's
-    features are f_j followed by those layers' hidden states (the shards' aux files), (N, H * (1 + k))."""
+    features are f_j followed by those layers' hidden states (the shards' aux files), (N, H * (1 + k)).
+    Features stay on disk until a batch reads them."""
     shards = []
     for folder in folders:
         found = shard_files(folder)
         if not found:
             raise EaglespecError(f"{folder}: no feature shards (run `eaglespec extract` first)")
         shards += found
-    seqs = Sequences()
+    seqs, rows, widths = Sequences(), FeatureRows(), set()
     for path in shards:
-        t = read_shard(path)
-        feats = t["features"]
-        if aux_layers:
-            aux = read_aux(path, aux_layers, feats.shape[0])
-            feats = torch.cat([feats[:, None], aux.to(feats.dtype)], 1).flatten(1)
-        off = t["offsets"].tolist()
-        for a, b in zip(off, off[1:]):
-            seqs.ids.append(t["input_ids"][a:b].long())
-            seqs.feats.append(feats[a:b])
-            seqs.mask.append(t["loss_mask"][a:b].bool())
-        c = t["token_counts"]
+        r = ShardReader(path, aux_layers)
+        widths.add(r.width)
+        for a, b in zip(r.offsets, r.offsets[1:]):
+            seqs.ids.append(r.input_ids[a:b].long())
+            rows.spans.append((r, a, b))
+            seqs.mask.append(r.loss_mask[a:b].bool())
+        c = r.token_counts
         seqs.token_counts = c.clone() if seqs.token_counts is None else seqs.token_counts + c
+    if len(widths) > 1:
+        raise EaglespecError(f"feature shards of {', '.join(map(str, folders))} differ in width: {sorted(widths)}")
+    seqs.feats, seqs.width = rows, widths.pop()
     return seqs
 
 
@@ -161,14 +179,14 @@ def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) 
 
 
 def collate(seqs: Sequences, idx: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = [seqs.feats[i] for i in idx]  # each read from disk once
     T = max(seqs.ids[i].numel() for i in idx)
-    H = seqs.feats[idx[0]].shape[-1]
     ids = torch.zeros(len(idx), T, dtype=torch.long)
-    feats = torch.zeros(len(idx), T, H)
+    feats = torch.zeros(len(idx), T, rows[0].shape[-1])
     mask = torch.zeros(len(idx), T, dtype=torch.bool)
-    for r, i in enumerate(idx):
+    for r, (i, f) in enumerate(zip(idx, rows)):
         n = seqs.ids[i].numel()
-        ids[r, :n], feats[r, :n], mask[r, :n] = seqs.ids[i], seqs.feats[i].float(), seqs.mask[i]
+        ids[r, :n], feats[r, :n], mask[r, :n] = seqs.ids[i], f.float(), seqs.mask[i]
     return ids.to(device), feats.to(device), mask.to(device)
 
 
@@ -374,9 +392,8 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         aux_layers = eagle3_layers(target.config.num_hidden_layers)
     train_set = load_split(*(d / "train" for d in feats_dirs), aux_layers=aux_layers)
     held = load_split(feats_dirs[0] / "heldout", aux_layers=aux_layers)
-    widths = {f.shape[-1] for f in train_set.feats}
-    if widths != {target.config.hidden_size * (1 + len(aux_layers))}:
-        raise EaglespecError(f"features in {cfg.features} have width {sorted(widths)}, the target {cfg.model} "
+    if train_set.width != target.config.hidden_size * (1 + len(aux_layers)):
+        raise EaglespecError(f"features in {cfg.features} have width {train_set.width}, the target {cfg.model} "
                              f"has hidden size {target.config.hidden_size}")
 
     ck = _latest(out) if resume else None
