@@ -1,11 +1,15 @@
 """Helpers of scripts/reproduce.sh.
 
     python scripts/reproduce.py fixed-data TARGET.jsonl FIXED.jsonl [--heldout-every K]
+    python scripts/reproduce.py heldout --model M --features A,B [--aux-layers L] --out J HEAD...
     python scripts/reproduce.py report RUN_DIR REPRODUCTION.md
 
 `fixed-data`: for every training conversation the target answered (`regenerate`'s JSONL), the same
 opening turns with ShareGPT's own answer cut to the target's answer length in tokens: the paper's
 "fixed data" at the same prompts and the same number of answer tokens (Table 6).
+
+`heldout`: each head's step-1..5 agreement with the target on every features folder's held-out
+split (the head fed its own predictions from step 2, as when drafting), to a JSON file.
 
 `report`: REPRODUCTION.md from the run's training logs and benchmark results, each experiment
 beside the paper's numbers, and docs/reproduction.png (held-out accuracy and training curves).
@@ -85,6 +89,25 @@ def _stamp(result: dict | None) -> str:
         return "not run"
     m = result["machine"]
     return f"{m['date']}, commit `{m.get('commit') or '?'}`, {m.get('cpu', '?')}, {m['threads']} threads"
+
+
+def heldout(model: str, features: list[Path], aux_layers: list[int], heads: list[Path], out: Path,
+            n: int = 16, steps: int = 5) -> None:
+    from eaglespec.io import atomic_write_json
+    from eaglespec.models import load_target
+    from eaglespec.spec.head import EagleDraftHead
+    from eaglespec.train.trainer import load_split, unroll_accuracy
+
+    target, _ = load_target(model)
+    rows = []
+    for folder in features:
+        held = load_split(folder / "heldout", aux_layers=aux_layers)
+        for h in heads:
+            head = EagleDraftHead.from_pretrained(h, target)
+            acc = unroll_accuracy(head, held, n, steps)
+            rows.append({"split": folder.name, "head": str(h), "conversations": min(n, len(held.ids)), "acc": acc})
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    atomic_write_json(out, {"model": model, "rows": rows})
 
 
 def report(run: Path, out: Path) -> None:
@@ -189,6 +212,7 @@ def report(run: Path, out: Path) -> None:
         lines.append(f"| {name}: {RUNS[name][0]} | {_f(m['acc1'], 3)} | {_f(m['acc2'], 3)} | {_f(acc3, 3)} | "
                      f"{_f(m['tau_tree'])} | {_f(m['tau_chain'])} | {_f(m['speed_chain'], 2, 'x')} |")
     lines += ["", _verdict_arch(measured), ""]
+    lines += _qwen_arch(run / "qwen-arch")
     # Table 5
     tr = _load(run / "tree" / "results.json")
     lines += ["## Tree vs chain (paper Table 5), the shipped head", "", f"`eaglespec bench` {_stamp(tr)}.", "",
@@ -221,6 +245,51 @@ def report(run: Path, out: Path) -> None:
     out.write_text("\n".join(lines).replace("](docs/reproduction.png)", f"]({image_link})"))
     plot(logs, image)
     print(f"wrote {out} and {image}", file=sys.stderr)
+
+
+def _qwen_arch(d: Path) -> list[str]:
+    """The architecture comparison at a larger budget (stage arch-qwen), if it ran."""
+    held = _load(d / "heldout.json")
+    if held is None:
+        return []
+    lines = ["### At a larger budget: Qwen2.5-Coder-0.5B", "",
+             "EAGLE-3's head against the fused hybrid (layers 2, 12 and 21 of 24), both trained from scratch with a",
+             "3-step training-time test, the same steps, learning rate, seed, 16,384-token draft vocabulary and",
+             "data: the target's own answers to ShareGPT prompts, programming and other. Held-out: step-n",
+             "agreement with the target on the target's answers to held-out prompts of each kind; tau on the",
+             "paper's tree, T = 0, first turns spread over each set.", "",
+             "| head | budget | held-out code, steps 1 / 2 / 3 / 5 | held-out chat, steps 1 / 2 / 3 / 5 | tau HumanEval | tau MT-bench |",
+             "|---|---|---|---|---|---|"]
+    m: dict[str, dict] = {}
+    for arch in ("eagle3", "hybrid"):
+        log, ev = _load(d / arch / "train_log.json"), _load(d / f"eval-{arch}" / "results.json")
+        accs = {r["split"]: r["acc"] for r in held["rows"] if Path(r["head"]).parent.name == arch}
+        taus = {r["dataset"]: r["tau"] for r in (ev or {}).get("summary", []) if r["method"] == "eagle"}
+        m[arch] = {"accs": accs, "taus": taus, "ev": ev}
+        budget = (f"{len(log['log'])} steps, {log['tokens_seen'] / 1e6:.2f} M tokens, {log['train_time_s'] / 60:.0f} min"
+                  if log else "?")
+        cells = [" / ".join(_f(a, 3) for a in (acc[0], acc[1], acc[2], acc[4])) if len(acc) >= 5 else "n/a"
+                 for acc in (accs.get("qwen-code", []), accs.get("qwen-other", []))]
+        lines.append(f"| {arch} | {budget} | {cells[0]} | {cells[1]} | {_f(taus.get('humaneval'))} | {_f(taus.get('mt_bench'))} |")
+    lines += ["", f"tau: `eaglespec bench` {_stamp(m['eagle3']['ev'])}.", "", _verdict_qwen_arch(m), ""]
+    return lines
+
+
+def _verdict_qwen_arch(m: dict) -> str:
+    e3, hy = m["eagle3"], m["hybrid"]
+    if len(e3["taus"]) < 2 or len(hy["taus"]) < 2:
+        return "Not every head was measured."
+    dt = {k: e3["taus"][k] - hy["taus"][k] for k in ("humaneval", "mt_bench")}
+    da = [e - h for s in ("qwen-code", "qwen-other") for e, h in zip(e3["accs"].get(s, []), hy["accs"].get(s, []))]
+    if min(dt.values()) > 0.05 and da and min(da) >= 0:
+        return (f"EAGLE-3's head wins at this budget: tau +{dt['humaneval']:.2f} on HumanEval and "
+                f"+{dt['mt_bench']:.2f} on MT-bench, and agreement at least the hybrid's at every held-out step.")
+    if max(dt.values()) < -0.05 and da and max(da) <= 0:
+        return (f"The hybrid wins at this budget: tau {-dt['humaneval']:.2f} higher on HumanEval and "
+                f"{-dt['mt_bench']:.2f} on MT-bench, and agreement at least EAGLE-3's at every held-out step.")
+    return (f"Neither wins clearly at this budget: tau differs by {dt['humaneval']:+.2f} (HumanEval) and "
+            f"{dt['mt_bench']:+.2f} (MT-bench) for EAGLE-3's head, held-out agreement by "
+            f"{min(da):+.3f} to {max(da):+.3f} across steps and kinds." if da else "Held-out agreement was not measured.")
 
 
 def _verdict_fig8(m: dict) -> str:
@@ -346,12 +415,23 @@ def main() -> int:
     p.add_argument("target")
     p.add_argument("out")
     p.add_argument("--heldout-every", type=int, default=16)
+    p = sub.add_parser("heldout")
+    p.add_argument("heads", nargs="+")
+    p.add_argument("--model", required=True)
+    p.add_argument("--features", required=True, help="features folders, joined by commas")
+    p.add_argument("--aux-layers", default="")
+    p.add_argument("--out", required=True)
+    p.add_argument("--conversations", type=int, default=16)
     p = sub.add_parser("report")
     p.add_argument("run")
     p.add_argument("out")
     a = ap.parse_args()
     if a.cmd == "fixed-data":
         fixed_data(Path(a.target), Path(a.out), a.heldout_every)
+    elif a.cmd == "heldout":
+        heldout(a.model, [Path(f).expanduser() for f in a.features.split(",") if f],
+                [int(x) for x in a.aux_layers.split(",") if x], [Path(h) for h in a.heads], Path(a.out),
+                a.conversations)
     else:
         report(Path(a.run), Path(a.out))
     return 0

@@ -11,6 +11,11 @@
 # (STAGES="data train eval tree batch report") resume: finished data and training runs are kept in
 # $OUT. The data and training stages may share the machine; eval, tree and batch time decoding, so
 # run them on an idle machine.
+#
+# Stage arch-qwen (not in the default list) repeats the architecture comparison at a larger budget on
+# Qwen2.5-Coder-0.5B: EAGLE-3's head against the fused hybrid, both with the same 3-step
+# training-time test, steps and data: the target's own answers (`regenerate --topic code` and
+# `--topic other`, with `--aux-layers 2,12,21`) in $QFEATS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
@@ -26,6 +31,9 @@ fi
 REPORT=${REPORT:-REPRODUCTION.md}
 STAGES=${STAGES:-"data train eval tree batch report"}
 MODEL=smollm2-135m-instruct
+QWEN=qwen2.5-coder-0.5b-instruct
+QFEATS=${QFEATS:-$HOME/.cache/eaglespec/features/qwen-code,$HOME/.cache/eaglespec/features/qwen-other}
+QSTEPS=${QSTEPS:-250}; QLIMIT=${QLIMIT:-10}
 TRAIN=(--epochs "$EPOCHS" --batch-tokens 2048 --lr 5e-4 --draft-vocab 8192 --seed 0 --save-every 100
        --eval-conversations 16 --eval-steps 3)
 AUX=2,15,27  # EAGLE-3's low, mid and high layers of SmolLM2's 30
@@ -72,6 +80,20 @@ for stage in $STAGES; do
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch-paper"
       eaglespec bench --dataset mt_bench --first-turn-only --limit "$BLIMIT" --temperature 0 --tree chain:1 \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch-chain1" ;;
+    arch-qwen)  # each head trained (resumable), then held-out agreement on each folder's held-out split, then tau
+      for arch in eagle3 hybrid; do
+        if [ ! -f "$OUT/qwen-arch/$arch/head/config.json" ]; then
+          eaglespec train --model $QWEN --features "$QFEATS" --out "$OUT/qwen-arch/$arch" --arch $arch --unroll 3 \
+            --aux-layers 2,12,21 --draft-vocab 16384 --epochs 1 --max-steps "$QSTEPS" --lr 6e-4 --warmup-steps 30 \
+            --batch-tokens 4096 --seed 0 --save-every 25 --eval-conversations 16 --eval-steps 5
+        fi
+      done
+      python scripts/reproduce.py heldout --model $QWEN --features "$QFEATS" --aux-layers 2,12,21 \
+        --out "$OUT/qwen-arch/heldout.json" "$OUT/qwen-arch/eagle3/head" "$OUT/qwen-arch/hybrid/head"
+      for arch in eagle3 hybrid; do
+        eaglespec bench --model $QWEN --head "$OUT/qwen-arch/$arch/head" --dataset humaneval,mt_bench --limit "$QLIMIT" \
+          --spread --first-turn-only --temperature 0 --tree paper --methods eagle --out "$OUT/qwen-arch/eval-$arch"
+      done ;;
     report)
       python scripts/reproduce.py report "$OUT" "$REPORT" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
