@@ -106,6 +106,9 @@ for stage in $STAGES; do
     engines)   # the same heads in official EAGLE, vLLM and llama.cpp (prepared by scripts/engines.sh), beside eaglespec
       python -m eaglespec.bench.engines --eagle3-head "${EAGLE3_HEAD:-eagle3}" --eagle1-head "${EAGLE1_HEAD:-eagle1}" \
         --limit "$N" --out "$OUT/engines" ;;
+    qwen-engines)  # its eagle3 head in vLLM and llama.cpp beside eaglespec, on HumanEval first turns
+      python -m eaglespec.bench.engines --model "$QWEN" --dataset humaneval --engines eaglespec,vllm,llama.cpp \
+        --eagle3-head "${QWEN_EAGLE3_HEAD:-eagle3}" --limit "$N" --out "$OUT/qwen-engines" ;;
     qwen-curve)  # the second model family (Qwen2.5-Coder-0.5B): its fp32 cost curve
       eaglespec profile --model "$QWEN" --out "$OUT/qwen-curve" | tee "$OUT/qwen-curve.md" ;;
     qwen-main)   # its shipped head on the four sets, T=0 and T=1, against its own vanilla, hf, pld and llama.cpp

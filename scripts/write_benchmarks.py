@@ -186,23 +186,27 @@ def picture(run: Path, stage_file: str, prefix: str, kind: str, alt: str) -> lis
     return [f"![{alt}](docs/{name})"]
 
 
-def engines_table(run: Path, result: dict) -> list[str]:
+def engines_table(run: Path, result: dict, stage: str = "engines", title: str = "") -> list[str]:
     from eaglespec.bench.engines import report
 
-    out = ["### Engine against engine (the same heads in other EAGLE engines)", "",
-           "`python -m eaglespec.bench.engines` (`scripts/benchmarks.sh` stage `engines`; the engines prepared by "
-           "`scripts/engines.sh`): each engine's plain decoding and its EAGLE decoding with the same SmolLM2 head, "
-           "exported to the engine's layout (official EAGLE: the eagle1 head; the others: the eagle3 head). "
-           "Each engine's EAGLE output is compared with its own plain output; official EAGLE and vLLM run the "
-           "fp32 target, llama.cpp the packaged Q4_1 GGUF (eaglespec's int4-q8 rows are its match).", "",
+    model = result.get("model", "smollm2-135m-instruct")
+    heads = ("official EAGLE: the eagle1 head; the others: the eagle3 head"
+             if any(r["engine"].startswith("official") for r in result["rows"]) else "the eagle3 head")
+    out = [f"### {title or 'Engine against engine (the same heads in other EAGLE engines)'}", "",
+           f"`python -m eaglespec.bench.engines --model {model}` (`scripts/benchmarks.sh` stage `{stage}`; the "
+           "engines prepared by `scripts/engines.sh`): each engine's plain decoding and its EAGLE decoding with the "
+           f"same head, exported to the engine's layout ({heads}). Each engine's EAGLE output is compared with its "
+           "own plain output; official EAGLE and vLLM run the fp32 target, llama.cpp the packaged GGUF "
+           "(eaglespec's int4-q8 rows are its match).", "",
            *report(result).splitlines()]
-    image = picture(run, "engines/speedup.png", "engines", result["machine"]["cpu"], "tokens/s of each engine, plain and EAGLE")
+    image = picture(run, f"{stage}/speedup.png", stage, result["machine"]["cpu"],
+                    "tokens/s of each engine, plain and EAGLE")
     return out + ([""] + image if image else []) + [""]
 
 
 def host_section(run: Path) -> tuple[str, str]:
     results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80", "serve", "engines",
-                                         "qwen-main", "qwen-int4-q8", "qwen-tau")}
+                                         "qwen-main", "qwen-int4-q8", "qwen-tau", "qwen-engines")}
     first = next((r for r in results.values() if r is not None), None)
     if first is None:
         sys.exit(f"no results.json under {run}")
@@ -235,6 +239,8 @@ def host_section(run: Path) -> tuple[str, str]:
     lines += curve_table(run, kind, "qwen-curve", f"{qwen}, fp32 target")
     if results["qwen-tau"]:
         lines += tau_table(results["qwen-tau"], f"{qwen}: acceptance on the paper tree (T = 0)")
+    if results["qwen-engines"]:
+        lines += engines_table(run, results["qwen-engines"], "qwen-engines", f"{qwen}: engine against engine")
     return kind, "\n".join(lines).rstrip() + "\n"
 
 

