@@ -71,8 +71,8 @@ def test_training_on_cuda_matches_cpu(tiny_features, tmp_path):
     root = tiny_features
     common = dict(features=str(root / "feats"), model=str(root / "model"), epochs=1, batch_tokens=128,
                   draft_vocab=0, eval_conversations=2, save_every=2, warmup_steps=2, lr=1e-3, max_steps=4)
-    cpu = train(TrainConfig(out=str(tmp_path / "cpu"), **common))
-    gpu = train(TrainConfig(out=str(tmp_path / "gpu"), device="cuda", **common))
+    cpu = train(TrainConfig(out=str(tmp_path / "cpu"), arch="hybrid", **common))
+    gpu = train(TrainConfig(out=str(tmp_path / "gpu"), arch="hybrid", device="cuda", **common))
     assert gpu["step"] == cpu["step"] == 4
     assert [r["loss"] for r in gpu["log"]] == pytest.approx([r["loss"] for r in cpu["log"]], rel=1e-3)
     a = load_file(str(tmp_path / "cpu" / "head" / "model.safetensors"))

@@ -13,10 +13,18 @@ from eaglespec.errors import CheckpointError, EaglespecError
 from eaglespec.spec.head import EagleDraftHead
 from eaglespec.train.data import render, stream_json_array, to_messages
 from eaglespec.train.extract import ExtractConfig, extract, read_shard
-from eaglespec.train.trainer import (Sequences, TrainConfig, draft_vocabulary, eagle_loss, train,
+from eaglespec.train.trainer import (Sequences, draft_vocabulary, eagle_loss, train,
                                      unroll_accuracy, unroll_anchors)
 
+from eaglespec.train.trainer import TrainConfig as _TrainConfig
+
 from conftest import tiny_target
+
+
+def TrainConfig(**kw) -> _TrainConfig:
+    """The trainer's settings with the hybrid head unless a test names another: these tests drive
+    the loop on a 2-layer tiny target, too shallow for EAGLE-3's default layers (2, L // 2, L - 3)."""
+    return _TrainConfig(**{"arch": "hybrid", **kw})
 
 
 @pytest.fixture
@@ -278,7 +286,7 @@ def test_revocab_refreshes_the_init_heads_draft_vocabulary(tiny_features, tmp_pa
     head.save_pretrained(tmp_path / "h")
     args = build_parser().parse_args(["train", "--features", common["features"], "--out", str(tmp_path / "b"),
                                       "--init", str(tmp_path / "h"), "--revocab"])
-    assert _config_from(args, TrainConfig).revocab
+    assert _config_from(args, _TrainConfig).revocab
     train(TrainConfig(out=str(tmp_path / "a"), init=str(tmp_path / "h"), **common))
     train(TrainConfig(out=str(tmp_path / "b"), init=str(tmp_path / "h"), revocab=True, **common))
     kept = EagleDraftHead.from_pretrained(tmp_path / "a" / "head", model).d2t.tolist()
@@ -395,6 +403,33 @@ def test_features_are_read_from_disk_a_conversation_at_a_time(tiny_features, tmp
             assert torch.equal(seqs.feats[i], want) and torch.equal(seqs.ids[i], t["input_ids"][a:b].long())
             i += 1
     assert i == len(seqs.feats) == len(seqs.ids) > 1
+
+
+def test_the_defaults_extract_eagle3s_layers_and_train_an_eagle3_head(tiny_features, tmp_path):
+    """Out of the box, extract writes EAGLE-3's low, mid and high layers (2, L // 2, L - 3) beside
+    the features of a target deep enough, and train trains an EAGLE-3 head on them; a shallow
+    target gets no aux file from "auto", and "none" asks for none."""
+    import shutil
+
+    from eaglespec.train.extract import aux_layers_for, aux_path, shard_files
+
+    assert aux_layers_for("auto", 24) == [2, 12, 21] and aux_layers_for("auto", 30) == [2, 15, 27]
+    assert aux_layers_for("auto", 2) == [] and aux_layers_for("none", 24) == [] and aux_layers_for("3,5", 8) == [3, 5]
+    assert _TrainConfig(features="f", out="o").arch == "eagle3"
+    root = tmp_path / "deep"
+    shutil.copytree(tiny_features / "model", root / "model")
+    tiny_target("llama", layers=8, device="cpu").save_pretrained(root / "model")
+    rep = extract(ExtractConfig(model=str(root / "model"), out_dir=str(root / "feats"),
+                                data=str(tiny_features / "convs.jsonl"), max_len=64, max_tokens=2_000, heldout=4))
+    assert rep["aux_layers"] == [2, 4, 5]
+    assert all(aux_path(s).is_file() for s in shard_files(root / "feats", "*/shard_*.safetensors"))
+    st = train(_TrainConfig(features=str(root / "feats"), out=str(tmp_path / "run"), model=str(root / "model"),
+                            max_steps=2, batch_tokens=128, eval_conversations=1, draft_vocab=0))
+    head = EagleDraftHead.from_pretrained(tmp_path / "run" / "head", tiny_target("llama", layers=8, device="cpu"))
+    assert st["step"] == 2 and head.arch == "eagle3" and head.aux_layers == [2, 4, 5]
+    none = extract(ExtractConfig(model=str(root / "model"), out_dir=str(tmp_path / "plain"), aux_layers="none",
+                                 data=str(tiny_features / "convs.jsonl"), max_len=64, max_tokens=500, heldout=4))
+    assert "aux_layers" not in none and not list((tmp_path / "plain").glob("*/*.aux.safetensors"))
 
 
 def test_interrupted_extract_leaves_a_true_manifest(tiny_features, tmp_path, monkeypatch):
@@ -815,7 +850,7 @@ def test_training_on_two_processes_ends_and_matches_one(tiny_features, tmp_path)
     root = tiny_features
     args = ["train", "--features", str(root / "feats"), "--model", str(root / "model"), "--epochs", "3",
             "--batch-tokens", "256", "--draft-vocab", "0", "--eval-conversations", "4", "--lr", "3e-3",
-            "--warmup-steps", "2", "--save-every", "1000"]
+            "--warmup-steps", "2", "--save-every", "1000", "--arch", "hybrid"]
     lengths = [x.numel() for x in load_split(root / "feats" / "train").ids]
     assert sum(len(epoch_batches(lengths, 256, 0, e)) for e in range(3)) % 2 == 1
     env = dict(os.environ, OMP_NUM_THREADS="1")

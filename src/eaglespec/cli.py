@@ -176,8 +176,9 @@ def _add_extract(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=1_000_000)
     p.add_argument("--heldout", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--aux-layers", default="", help="also store these target layers' hidden states (e.g. 3,15,27; "
-                   "0 = the embeddings), for a head that fuses them (train --aux-layers; EAGLE-3)")
+    p.add_argument("--aux-layers", default="auto", help="also store these target layers' hidden states, for a head "
+                   "that fuses them (EAGLE-3's, the default arch of train): auto = EAGLE-3's layers 2, L // 2, L - 3 "
+                   "of a target deep enough; a list such as 3,15,27 (0 = the embeddings); none")
     p.add_argument("--aux-only", action="store_true", help="only add the --aux-layers files to the shards already "
                    "in --out (from an earlier extract or regenerate --features-out)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",

@@ -26,10 +26,12 @@ from tqdm import tqdm
 from ..errors import CheckpointError, EaglespecError
 from ..io import atomic_save_safetensors, atomic_write_json
 from ..models import HiddenStateTap, check_layers
+from ..spec.formats import eagle3_layers
 from .data import load_conversations, render, split
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHARD_KEYS = ("input_ids", "features", "loss_mask", "offsets", "token_counts")
+AUX_WORDS = ("", "auto", "none")
 
 
 @dataclass
@@ -43,7 +45,8 @@ class ExtractConfig:
     seed: int = 0
     conversations_per_shard: int = 64
     batch_tokens: int = 4096
-    aux_layers: str = ""  # also write each shard's aux file: these layers' hidden states (EAGLE-3 fusion)
+    aux_layers: str = "auto"  # also write each shard's aux file: these layers' hidden states (EAGLE-3 fusion;
+    # auto = EAGLE-3's low, mid and high layers 2, L // 2, L - 3 of a target deep enough; none = no aux file)
     aux_only: bool = False  # only add aux files to the shards already in out_dir (e.g. `regenerate`'s)
     dtype: str = "float32"  # or "bfloat16": ~4x faster on a CPU with bf16 matrix units, features within ~2 %
 
@@ -157,14 +160,15 @@ def extract(cfg: ExtractConfig) -> dict:
 
     if cfg.dtype not in DTYPES:
         raise EaglespecError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
-    layers = parse_layers(cfg.aux_layers)
+    parse_layers(cfg.aux_layers)  # a bad list fails before the model loads
     out = Path(cfg.out_dir)
     if cfg.aux_only:
-        if not layers:
-            raise EaglespecError("--aux-only needs --aux-layers")
         if not shard_files(out, "*/shard_*.safetensors"):
             raise EaglespecError(f"{out}: no feature shards to add aux layers to")
         model, _ = load_target(cfg.model, dtype=DTYPES[cfg.dtype])
+        layers = aux_layers_for(cfg.aux_layers, model.config.num_hidden_layers)
+        if not layers:
+            raise EaglespecError("--aux-only needs --aux-layers (this target is too shallow for auto)")
         t0 = time.perf_counter()
         n = add_aux(out, model, layers, cfg.batch_tokens)
         return {"aux_layers": layers, "new_tokens": n, "tokens_per_s": n / max(time.perf_counter() - t0, 1e-9)}
@@ -178,6 +182,7 @@ def extract(cfg: ExtractConfig) -> dict:
             raise EaglespecError(f"{out} holds an extraction with other settings {old.get('settings')}; "
                                  "use another --out or the same settings to resume")
     model, tok = load_target(cfg.model, dtype=DTYPES[cfg.dtype])
+    layers = aux_layers_for(cfg.aux_layers, model.config.num_hidden_layers)
     vocab = model.config.vocab_size
     train_convs, held_convs = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)
     report = {"settings": settings, "hidden_size": model.config.hidden_size, "vocab_size": vocab}
@@ -224,11 +229,22 @@ def shard_files(folder: Path, pattern: str = "shard_*.safetensors") -> list[Path
 
 
 def parse_layers(text: str) -> list[int]:
-    """ "3,15,27" -> [3, 15, 27] ("" -> [])."""
+    """ "3,15,27" -> [3, 15, 27] ("" and "none" -> []; "auto" -> [] here: see `aux_layers_for`)."""
+    if text.strip() in AUX_WORDS:
+        return []
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise EaglespecError(f"aux layers must be comma-separated integers, got {text!r}") from None
+        raise EaglespecError(f"aux layers must be comma-separated integers, auto or none, got {text!r}") from None
+
+
+def aux_layers_for(text: str, num_layers: int) -> list[int]:
+    """The aux layers `text` names for a target of `num_layers` layers: "auto" = EAGLE-3's low, mid
+    and high layers (`eagle3_layers`) where they are three distinct layers, else none."""
+    if text.strip() != "auto":
+        return parse_layers(text)
+    layers = eagle3_layers(num_layers)
+    return layers if len(set(layers)) == 3 and layers == sorted(layers) and layers[0] >= 0 else []
 
 
 def aux_path(shard: Path) -> Path:

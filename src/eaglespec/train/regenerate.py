@@ -49,7 +49,7 @@ from ..errors import EaglespecError
 from ..io import atomic_save_safetensors
 from ..spec.verify import SamplingParams
 from .data import SHAREGPT_FROM, TOPICS, dropped_first_turns, is_code_prompt, load_conversations, split
-from .extract import (DTYPES, aux_path, pack_shard, parse_layers, read_aux, read_shard, save_aux,
+from .extract import (DTYPES, aux_layers_for, aux_path, pack_shard, parse_layers, read_aux, read_shard, save_aux,
                       shard_files, unpack_shard)
 
 
@@ -75,7 +75,8 @@ class RegenerateConfig:
     heldout_every: int = 64  # with features_out: conversation ids divisible by this go to heldout/
     dtype: str = "float32"  # or "bfloat16" (faster decoding, near-identical data; see the module docstring)
     prompts: str = "split"  # the split's opening turns, or "dropped": those of the records the conversation filter drops
-    aux_layers: str = ""  # with features_out: also these layers' hidden states (EAGLE-3 fusion), no extract pass
+    aux_layers: str = "auto"  # with features_out: also these layers' hidden states (EAGLE-3 fusion), no extract
+    # pass (auto = EAGLE-3's layers 2, L // 2, L - 3 of a target deep enough; none = no aux files)
     temperature: float = 0.0  # 0: greedy answers; > 0: sampled (more contexts per prompt; see the docstring)
     sample_round: int = 0  # > 0: another random stream, for a new sampled set on prompts already answered
     topic: str = "all"  # "code": only opening turns that ask about programming (`data.is_code_prompt`); "other": the rest
@@ -175,13 +176,13 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     if cfg.dtype not in DTYPES:
         raise EaglespecError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     sampling = SamplingParams(temperature=cfg.temperature)  # a bad one raises ValueError, as generate's does
-    layers = parse_layers(cfg.aux_layers)
-    if layers and not cfg.features_out:
+    if parse_layers(cfg.aux_layers) and not cfg.features_out:
         raise EaglespecError("--aux-layers needs --features-out (they are written beside its shards)")
     out.parent.mkdir(parents=True, exist_ok=True)
     dtype = DTYPES[cfg.dtype]
     # fp32: pre-packed weights (batched steps are far cheaper on CPU); bf16 runs oneDNN's bf16 kernels
     model, tok = load_target(cfg.model, dtype=dtype, packed=dtype == torch.float32)
+    layers = aux_layers_for(cfg.aux_layers, model.config.num_hidden_layers) if cfg.features_out else []
     check_layers(layers, model)
     if cfg.prompts == "split":
         train_convs, _ = split(load_conversations(cfg.data), cfg.seed, cfg.heldout)

@@ -66,9 +66,11 @@ class TrainConfig:
         "EAGLE (f_j and t_{j+1}); feature+unshifted_token = f_j and t_j; feature = f_j alone; token = t_{j+1} "
         "alone (a token-level draft)"})
     init: str = ""  # a head folder to start from (weights and draft vocabulary), e.g. to train a shipped head further
-    arch: str = field(default="hybrid", metadata={
-        "choices": ARCHS, "help": "eagle1 = official EAGLE's head; eagle3 = EAGLE-3's (three fused target layers, "
-        "own LM head, token loss only); hybrid = eagle1's with a layer-0 input norm and optional --aux-layers"})
+    arch: str = field(default="eagle3", metadata={
+        "choices": ARCHS, "help": "eagle3 = EAGLE-3's head (three fused target layers, own LM head, token loss "
+        "only; it drafts better than the hybrid on the same data and budget: REPRODUCTION.md); eagle1 = official "
+        "EAGLE's head; hybrid = eagle1's with a layer-0 input norm and optional --aux-layers (the architecture of "
+        "older heads, such as SmolLM2's default one: train them further with --init)"})
     unroll: int = 0  # training-time test: steps of the head fed its own predictions (0: 1 = the paper; eagle3 3)
     unroll_decay: float = 0.8  # loss weight of step s is unroll_decay ** (s - 1)
     unroll_fraction: float = 0.25  # share of anchors whose chains train at steps >= 2
