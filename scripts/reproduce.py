@@ -107,7 +107,7 @@ def heldout(model: str, features: list[Path], aux_layers: list[int], heads: list
             acc = unroll_accuracy(head, held, n, steps)
             rows.append({"split": folder.name, "head": str(h), "conversations": min(n, len(held.ids)), "acc": acc})
             print(json.dumps(rows[-1]), file=sys.stderr)
-    atomic_write_json(out, {"model": model, "rows": rows})
+    atomic_write_json({"model": model, "rows": rows}, out)
 
 
 def report(run: Path, out: Path) -> None:
