@@ -432,6 +432,44 @@ def test_the_defaults_extract_eagle3s_layers_and_train_an_eagle3_head(tiny_featu
     assert "aux_layers" not in none and not list((tmp_path / "plain").glob("*/*.aux.safetensors"))
 
 
+def test_an_eagle3_head_of_a_qwen2_target_is_a_llama_layer_without_biases(tiny_features, tmp_path):
+    """EAGLE-3's and official EAGLE's heads are Llama layers whatever the target (what vLLM, SGLang
+    and llama.cpp read): trained for a Qwen2 target, the head has no attention biases, exports none,
+    and decodes to the target's greedy output; GGUF export refuses a head whose layer has biases."""
+    import shutil
+
+    from safetensors.torch import load_file as read
+
+    from eaglespec.interop import export_gguf
+    from eaglespec.models import Engine, load_target
+    from eaglespec.spec.formats import export_head
+
+    root = tmp_path / "qwen"
+    shutil.copytree(tiny_features / "model", root / "model")
+    for f in (root / "model").glob("*.json"):
+        if f.name in ("config.json", "generation_config.json"):
+            f.unlink()
+    tiny_target("qwen2", layers=8, device="cpu").save_pretrained(root / "model")
+    extract(ExtractConfig(model=str(root / "model"), out_dir=str(root / "feats"),
+                          data=str(tiny_features / "convs.jsonl"), max_len=64, max_tokens=2_000, heldout=4))
+    train(_TrainConfig(features=str(root / "feats"), out=str(tmp_path / "run"), model=str(root / "model"),
+                       max_steps=2, batch_tokens=128, eval_conversations=1, draft_vocab=0))
+    target, _ = load_target(str(root / "model"))
+    head = EagleDraftHead.from_pretrained(tmp_path / "run" / "head", target)
+    assert head.arch == "eagle3" and head.model_type == "qwen2"
+    assert head.layer_config.model_type == "llama" and not head.layer_config.attention_bias
+    assert not [k for k in read(str(export_head(head, "speculators", tmp_path / "spec", target.config)
+                                     / "model.safetensors")) if k.endswith("bias")]
+    prompt = [2, 17, 40, 9, 3, 4]
+    x = torch.tensor([prompt])
+    want = target.generate(x, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           attention_mask=torch.ones_like(x))[0, len(prompt):].tolist()
+    assert Engine(target, head, tree="paper").generate(prompt, 20).token_ids == want
+    biased = EagleDraftHead(target.config, arch="eagle3").bind(target)
+    with pytest.raises(EaglespecError, match="without biases"):
+        export_gguf(biased, root / "model", tmp_path / "gguf")
+
+
 def test_interrupted_extract_leaves_a_true_manifest(tiny_features, tmp_path, monkeypatch):
     """Killed mid-split, the manifest still lists exactly the shards on disk (and a rerun resumes)."""
     import eaglespec.train.extract as ex

@@ -34,6 +34,10 @@ def export_gguf(head, target_dir: str | os.PathLike, out: str | os.PathLike, tar
     """`head` (an eagle3 head) as a GGUF that llama.cpp's EAGLE-3 drafting reads (``-md``), written
     by llama.cpp's own converter from the speculators layout; `target_dir` is the target's
     Hugging Face folder (its tokenizer and config go into the GGUF). Returns the file."""
+    if getattr(head.layer_config, "attention_bias", False) or head.layer_config.model_type != "llama":
+        raise EaglespecError(f"llama.cpp's EAGLE-3 head is a Llama layer without biases; this head's layer is "
+                             f"{head.layer_config.model_type}'s with attention biases (train a new eagle3 head: "
+                             "eaglespec trains them as Llama layers for every target)")
     convert = llama_cpp_dir() / "convert_hf_to_gguf.py"
     if not convert.is_file():
         raise EaglespecError(f"{convert}: missing; GGUF export runs llama.cpp's converter (bash scripts/engines.sh "

@@ -53,6 +53,16 @@ def eagle3_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def llama_layer_config(target: PretrainedConfig) -> LlamaConfig:
+    """The decoder layer official EAGLE's and EAGLE-3's heads have whatever their target's family: a
+    Llama layer with the target's shapes and RoPE and no biases (what official EAGLE, SafeAILab's,
+    speculators' and llama.cpp's EAGLE-3 heads are)."""
+    full = target.to_dict()
+    layer = {k: full[k] for k in LAYER_FIELDS if k in full}
+    layer.update(attention_bias=False, mlp_bias=False, num_hidden_layers=1)
+    return LlamaConfig(**layer)
+
+
 def swap_fc_inputs(fc: torch.Tensor) -> torch.Tensor:
     """An FC weight [H, 2H] with its two input halves swapped: EAGLE-1's [embedding ; feature] <->
     eaglespec's [feature ; embedding] (its own inverse)."""

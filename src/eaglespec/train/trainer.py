@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from ..spec.cache import KVCache
 from ..errors import CheckpointError, EaglespecError
+from ..spec.formats import llama_layer_config
 from ..spec.head import ARCHS, INPUT_MODES, EagleDraftHead, eagle3_layers, read_head_config, read_training_record
 from ..io import atomic_torch_save, atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
@@ -438,8 +439,10 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
         else:
             always = eos_ids(tok, target)
             d2t = draft_vocabulary(train_set.token_counts, 8192 if cfg.draft_vocab < 0 else cfg.draft_vocab, always)
-            head = EagleDraftHead(target.config, input_mode=cfg.input_mode, draft_vocab=d2t,
-                                  num_layers=max(1, cfg.layers), aux_layers=aux_layers, arch=cfg.arch).bind(target)
+            # eagle1 and eagle3 heads have a Llama layer whatever the target, as every engine that reads them expects
+            layer_of = target.config if cfg.arch == "hybrid" else llama_layer_config(target.config)
+            head = EagleDraftHead(layer_of, input_mode=cfg.input_mode, draft_vocab=d2t, num_layers=max(1, cfg.layers),
+                                  aux_layers=aux_layers, arch=cfg.arch, model_type=target.config.model_type).bind(target)
             head.warm_start(target)
         state = {"step": 0, "log": [], "evals": [], "config": asdict(cfg), "train_time_s": 0.0, "tokens_seen": 0}
         if cfg.init and acc.is_main_process:  # the baseline this run must beat, on the same held-out set
