@@ -190,13 +190,14 @@ def engines_table(run: Path, result: dict, stage: str = "engines", title: str = 
     from eaglespec.bench.engines import report
 
     model = result.get("model", "smollm2-135m-instruct")
-    heads = ("official EAGLE: the eagle1 head; the others: the eagle3 head"
-             if any(r["engine"].startswith("official") for r in result["rows"]) else "the eagle3 head")
+    official = any(r["engine"].startswith("official") for r in result["rows"])
+    heads = "official EAGLE: the eagle1 head; the others: the eagle3 head" if official else "the eagle3 head"
+    fp32_engines = "official EAGLE and vLLM run" if official else "vLLM runs"
     out = [f"### {title or 'Engine against engine (the same heads in other EAGLE engines)'}", "",
            f"`python -m eaglespec.bench.engines --model {model}` (`scripts/benchmarks.sh` stage `{stage}`; the "
            "engines prepared by `scripts/engines.sh`): each engine's plain decoding and its EAGLE decoding with the "
            f"same head, exported to the engine's layout ({heads}). Each engine's EAGLE output is compared with its "
-           "own plain output; official EAGLE and vLLM run the fp32 target, llama.cpp the packaged GGUF "
+           f"own plain output; {fp32_engines} the fp32 target, llama.cpp the packaged GGUF "
            "(eaglespec's int4-q8 rows are its match).", "",
            *report(result).splitlines()]
     image = picture(run, f"{stage}/speedup.png", stage, result["machine"]["cpu"],
