@@ -429,8 +429,10 @@ def main() -> int:
     if a.cmd == "fixed-data":
         fixed_data(Path(a.target), Path(a.out), a.heldout_every)
     elif a.cmd == "heldout":
+        from eaglespec.train.extract import parse_layers
+
         heldout(a.model, [Path(f).expanduser() for f in a.features.split(",") if f],
-                [int(x) for x in a.aux_layers.split(",") if x], [Path(h) for h in a.heads], Path(a.out),
+                parse_layers(a.aux_layers), [Path(h) for h in a.heads], Path(a.out),
                 a.conversations)
     else:
         report(Path(a.run), Path(a.out))

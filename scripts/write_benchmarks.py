@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from eaglespec.bench.datasets import TITLES
+
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-DATASETS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca"}
 HEADER = """# Benchmarks
 
 Every table below is written by `scripts/benchmarks.sh` (then `scripts/write_benchmarks.py`) and
@@ -87,9 +88,9 @@ def speed_tables(result: dict, title: str) -> list[str]:
     """One table per temperature: methods by dataset, each cell speedup (tok/s, tau, ceiling)."""
     cfg, rows = result["config"], result["summary"]
     out = [f"### {title}", "", f"`eaglespec bench` {stamp(result)}.", ""]
-    datasets = [d for d in DATASETS if any(r["dataset"] == d for r in rows)]
+    datasets = [d for d in TITLES if any(r["dataset"] == d for r in rows)]
     for temp in sorted({r["temperature"] for r in rows}):
-        out += [f"T = {temp:g}:", "", "| method | " + " | ".join(DATASETS[d] for d in datasets) + " |",
+        out += [f"T = {temp:g}:", "", "| method | " + " | ".join(TITLES[d] for d in datasets) + " |",
                 "|---|" + "---|" * len(datasets)]
         methods = list(dict.fromkeys(r["method"] for r in rows if r["temperature"] == temp))
         for method in methods:
@@ -120,7 +121,7 @@ def tau_table(result: dict, title: str = "Acceptance on all 80 MT-bench first tu
            "| set | tree | tau | 0-α | 1-α | 2-α | 3-α | 4-α | tokens |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         na = [fx(a, "") for a in (r.get("n_alpha") or [])[:5]] + [""] * 5
-        out.append(f"| {DATASETS.get(r['dataset'], r['dataset'])} | {result['config']['tree']} | {r['tau']:.3f} | "
+        out.append(f"| {TITLES.get(r['dataset'], r['dataset'])} | {result['config']['tree']} | {r['tau']:.3f} | "
                    + " | ".join(na[:5]) + f" | {r['new_tokens']} |")
     return out + [""]
 
@@ -131,7 +132,7 @@ def batch_table(result: dict) -> list[str]:
            "|---|---|---|---|---|---|---|---|"]
     for r in result["batch_summary"]:
         eq = {True: "yes", False: "**NO**", None: "n/a"}[r["greedy_equal"]]
-        out.append(f"| {DATASETS.get(r['dataset'], r['dataset'])} | {r['temperature']:g} | {r['batch_size']} | "
+        out.append(f"| {TITLES.get(r['dataset'], r['dataset'])} | {r['temperature']:g} | {r['batch_size']} | "
                    f"{r['vanilla_tokens_per_s']:.1f} | {r['eagle_tokens_per_s']:.1f} | {fx(r['speedup'])} | "
                    f"{fx(r.get('tau'), '')} | {eq} |")
     return out + [""]
@@ -248,7 +249,7 @@ def host_section(run: Path) -> tuple[str, str]:
 def headline(result: dict) -> list[str]:
     """The README's table: plain decoding and EAGLE's default on the four sets, with the host."""
     rows, m = result["summary"], result["machine"]
-    datasets = [d for d in DATASETS if any(r["dataset"] == d for r in rows)]
+    datasets = [d for d in TITLES if any(r["dataset"] == d for r in rows)]
 
     def cell(d: str, method: str, temp: float, what: str) -> str:
         r = next((r for r in rows if r["method"] == method and r["dataset"] == d and r["temperature"] == temp), None)
@@ -262,7 +263,7 @@ def headline(result: dict) -> list[str]:
 
     out = [f"{m['cpu']}, {m['threads']} threads, host `{m.get('host', '?')}`, {m['date']}, commit "
            f"`{m.get('commit') or '?'}`; fp32 target (exact codes):", "",
-           "| | " + " | ".join(DATASETS[d] for d in datasets) + " |", "|---|" + "---|" * len(datasets)]
+           "| | " + " | ".join(TITLES[d] for d in datasets) + " |", "|---|" + "---|" * len(datasets)]
     for label, method, temp, what in (("plain decoding, tok/s", "vanilla", 0.0, "tok/s"),
                                       ("`transformers.generate`, tok/s", "hf", 0.0, "tok/s"),
                                       ("EAGLE, T = 0", "eagle", 0.0, "eagle"),

@@ -11,6 +11,7 @@ from ..errors import EaglespecError
 
 SHARED_EVAL = Path(__file__).resolve().parents[4] / "shared" / "data" / "eval"
 BUILTIN = ("mt_bench", "humaneval", "gsm8k", "alpaca")
+TITLES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca"}  # as tables name them
 
 
 def _pkg(module: str) -> Path:

@@ -47,11 +47,10 @@ from ..platform import default_head
 from ..spec.formats import export_head
 from ..spec.head import EagleDraftHead
 from ..spec.verify import SamplingParams
-from .datasets import load_questions
+from .datasets import TITLES, load_questions
 from .harness import machine, write_run
 
 MODEL = "smollm2-135m-instruct"  # the default target
-DATASET_NAMES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca"}
 
 
 Run = tuple[Any, int, float]  # one prompt's output (ids or text), its new tokens, its seconds
@@ -288,7 +287,7 @@ def report(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [f"{m['cpu']}, {m['threads']} threads, host `{m['host']}`, {m['date']}, commit `{m['commit']}`; "
              f"{result.get('model', MODEL)}, {result['prompts']} "
-             f"{DATASET_NAMES.get(result.get('dataset', 'mt_bench'), result.get('dataset'))} first turns, "
+             f"{TITLES.get(result.get('dataset', 'mt_bench'), result.get('dataset'))} first turns, "
              f"{result['max_new_tokens']} new tokens, T = 0, "
              f"median of {result['repeats']} runs per prompt, prefill included.", "",
              "| engine | target | head, draft | plain tok/s | EAGLE tok/s | speedup | tokens / target forward | EAGLE = own plain |",
@@ -334,7 +333,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=MODEL, help="the target (a registered model)")
-    ap.add_argument("--dataset", default="mt_bench", choices=sorted(DATASET_NAMES),
+    ap.add_argument("--dataset", default="mt_bench", choices=sorted(TITLES),
                     help="whose first turns are the prompts")
     ap.add_argument("--eagle3-head", default="eagle3", help="an eagle3 head of the target for vLLM, llama.cpp and "
                     "eaglespec (default: the shipped one)")

@@ -318,7 +318,7 @@ class ShardReader:
         self.input_ids, self.loss_mask = small["input_ids"], small["loss_mask"]
         self.offsets, self.token_counts = small["offsets"].tolist(), small["token_counts"]
         self._features, self._aux = f.get_slice("features"), None
-        self.width = f.get_slice("features").get_shape()[1]
+        self.width = self._features.get_shape()[1]
         if aux_layers:
             apath, a = _open_aux(path, aux_layers)
             _check_aux(apath, set(a.keys()), a.get_tensor, lambda k: a.get_slice(k).get_shape(), aux_layers, n)
