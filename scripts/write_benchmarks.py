@@ -1,6 +1,7 @@
 """Write BENCHMARKS.md from a `scripts/benchmarks.sh` run: this host's section is regenerated from the
-run's results, the other CPU kinds' sections are kept as they are; the README's headline table
-(between `<!-- headline -->` and `<!-- /headline -->`) is rewritten from the run's main stage.
+run's results (a table whose stage the run lacks stays as it was), the other CPU kinds' sections are
+kept as they are; the README's headline table (between `<!-- headline -->` and `<!-- /headline -->`)
+is rewritten from the run's main stage.
 
     python scripts/write_benchmarks.py RUN_DIR [BENCHMARKS.md]
 
@@ -206,43 +207,55 @@ def engines_table(run: Path, result: dict, stage: str = "engines", title: str = 
     return out + ([""] + image if image else []) + [""]
 
 
-def host_section(run: Path) -> tuple[str, str]:
+def tables(section: str) -> list[list[str]]:
+    """A host section's tables, each its lines from its `###` heading to the next heading."""
+    return [("### " + block).rstrip().splitlines() + [""] for block in re.split(r"(?m)^### ", section)[1:]]
+
+
+def host_section(run: Path, kept: dict[str, str] | None = None) -> tuple[str, str]:
+    """This host's section from the run's stages; a table whose stage the run lacks is kept as this
+    host's section in `kept` (the existing sections, by CPU kind) has it: each table carries its own
+    run's stamp."""
     results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80", "serve", "engines",
                                          "qwen-main", "qwen-int4-q8", "qwen-tau", "qwen-engines")}
     first = next((r for r in results.values() if r is not None), None)
     if first is None:
         sys.exit(f"no results.json under {run}")
     kind = first["machine"]["cpu"]
-    lines = [f"<!-- host: {kind} -->", f"## {kind}", ""]
-    if results["main"]:
-        lines += speed_tables(results["main"], "fp32 target (exact codes): the four sets")
-        image = picture(run, "main/speedup.png", "bench_speedup", kind, f"speedup over vanilla, fp32 target, {kind}")
-        lines += image + ([""] if image else [])
-    if results["int4-q8"]:
-        lines += speed_tables(results["int4-q8"], "int4-q8 target (`--quantize fastest` with AVX512-VNNI)")
-    if results["ablation"]:
-        lines += speed_tables(results["ablation"], "Which tree (MT-bench first turns, T = 0)")
-    lines += curve_table(run, kind)
-    if results["batch"] and results["batch"].get("batch_summary"):
-        lines += batch_table(results["batch"])
-    if results["tau80"]:
-        lines += tau_table(results["tau80"])
-    if results["serve"]:
-        lines += serve_table(run, results["serve"])
-    if results["engines"]:
-        lines += engines_table(run, results["engines"])
+    old = tables((kept or {}).get(kind, ""))
+
+    def table(ready: bool, heading: str, build) -> list[str]:
+        if ready:
+            return build()
+        return next((t for t in old if t[0].startswith(f"### {heading}")), [])
+
+    def speed(stage: str, title: str, plot: str = "", alt: str = "") -> list[str]:
+        def build() -> list[str]:
+            image = picture(run, f"{stage}/speedup.png", plot, kind, alt) if plot else []
+            return speed_tables(results[stage], title) + image + ([""] if image else [])
+        return table(results[stage] is not None, title, build)
+
     qwen = "Qwen2.5-Coder-0.5B-Instruct"
-    if results["qwen-main"]:
-        lines += speed_tables(results["qwen-main"], f"{qwen}, fp32 target (exact codes): the four sets")
-        image = picture(run, "qwen-main/speedup.png", "bench_speedup_qwen", kind, f"speedup over vanilla, {qwen}, {kind}")
-        lines += image + ([""] if image else [])
-    if results["qwen-int4-q8"]:
-        lines += speed_tables(results["qwen-int4-q8"], f"{qwen}, int4-q8 target (`--quantize fastest`)")
-    lines += curve_table(run, kind, "qwen-curve", f"{qwen}, fp32 target")
-    if results["qwen-tau"]:
-        lines += tau_table(results["qwen-tau"], f"{qwen}: acceptance on the paper tree (T = 0)")
-    if results["qwen-engines"]:
-        lines += engines_table(run, results["qwen-engines"], "qwen-engines", f"{qwen}: engine against engine")
+    lines = [f"<!-- host: {kind} -->", f"## {kind}", ""]
+    lines += speed("main", "fp32 target (exact codes): the four sets", "bench_speedup",
+                   f"speedup over vanilla, fp32 target, {kind}")
+    lines += speed("int4-q8", "int4-q8 target (`--quantize fastest` with AVX512-VNNI)")
+    lines += speed("ablation", "Which tree (MT-bench first turns, T = 0)")
+    lines += table((run / "curve" / "cost_curve.json").is_file(), "Cost curve (fp32 target", lambda: curve_table(run, kind))
+    batch = results["batch"]
+    lines += table(bool(batch and batch.get("batch_summary")), "Batch sizes", lambda: batch_table(batch))
+    lines += table(results["tau80"] is not None, "Acceptance on all 80", lambda: tau_table(results["tau80"]))
+    lines += table(results["serve"] is not None, "Concurrent clients", lambda: serve_table(run, results["serve"]))
+    lines += table(results["engines"] is not None, "Engine against engine", lambda: engines_table(run, results["engines"]))
+    lines += speed("qwen-main", f"{qwen}, fp32 target (exact codes): the four sets", "bench_speedup_qwen",
+                   f"speedup over vanilla, {qwen}, {kind}")
+    lines += speed("qwen-int4-q8", f"{qwen}, int4-q8 target (`--quantize fastest`)")
+    lines += table((run / "qwen-curve" / "cost_curve.json").is_file(), f"Cost curve ({qwen}",
+                   lambda: curve_table(run, kind, "qwen-curve", f"{qwen}, fp32 target"))
+    lines += table(results["qwen-tau"] is not None, f"{qwen}: acceptance",
+                   lambda: tau_table(results["qwen-tau"], f"{qwen}: acceptance on the paper tree (T = 0)"))
+    lines += table(results["qwen-engines"] is not None, f"{qwen}: engine against engine",
+                   lambda: engines_table(run, results["qwen-engines"], "qwen-engines", f"{qwen}: engine against engine"))
     return kind, "\n".join(lines).rstrip() + "\n"
 
 
@@ -288,7 +301,7 @@ def main() -> None:
     run = Path(sys.argv[1])
     doc_path = Path(sys.argv[2] if len(sys.argv) > 2 else Path(__file__).resolve().parents[1] / "BENCHMARKS.md")
     kept = sections(doc_path.read_text()) if doc_path.is_file() else {}
-    kind, section = host_section(run)
+    kind, section = host_section(run, kept)
     kept[kind] = section
     doc_path.write_text(HEADER + "\n" + "\n".join(kept[k] for k in sorted(kept)))
     print(f"{doc_path}: section {kind!r} written; kept {sorted(k for k in kept if k != kind)}")

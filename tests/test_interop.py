@@ -224,3 +224,25 @@ def test_engine_table_rows_read_each_engines_own_counts():
     assert r["plain_tokens_per_s"] == 2.0 and r["eagle_tokens_per_s"] == 4.0 and r["speedup"] == 2.0
     assert r["tau"] == 2.0 and r["prompts_equal"] == r["prompts"] == 1
     assert row("x", "fp32", "h", [([1], 1, 1.0)], [([2], 1, 1.0)], None)["prompts_equal"] == 0
+
+
+def test_a_llama_cpp_graph_without_layer_inputs_is_named_before_it_aborts(tmp_path, monkeypatch):
+    """llama.cpp drafts EAGLE-3 only for target families whose graph records each layer's input: the
+    check reads the source tree's graph file; a failed run is reported by its assertion line, not by
+    the backtrace that follows it."""
+    from eaglespec.bench.engines import _llama_failure
+    from eaglespec.interop import llama_cpp_eagle3_gap
+
+    models = tmp_path / "src" / "models"
+    models.mkdir(parents=True)
+    (models / "llama.cpp").write_text("for (int il = 0; il < n_layer; ++il) {\n    res->t_layer_inp[il] = inpL;\n")
+    (models / "qwen2.cpp").write_text("for (int il = 0; il < n_layer; ++il) {\n    ggml_tensor * inpSA = inpL;\n")
+    monkeypatch.setenv("EAGLESPEC_LLAMA_CPP", str(tmp_path))
+    assert llama_cpp_eagle3_gap("llama") is None
+    assert "qwen2 graph (qwen2.cpp) records no layer inputs" in llama_cpp_eagle3_gap("qwen2")
+    assert llama_cpp_eagle3_gap("mistral") is None  # no such file to read: left to llama.cpp
+    log = ("0.01.15 W load: control-looking token\n"
+           "/src/llama-graph.cpp:1384: GGML_ASSERT(t_layer_inp[il] != nullptr && \"layer input tensor is null\") failed\n"
+           "[New LWP 4564]\n30\t../sysdeps/unix/sysv/linux/wait4.c: No such file or directory.\n")
+    assert "layer input tensor is null" in _llama_failure(log)
+    assert _llama_failure("only\nthis\n") == "this" and _llama_failure("") == "no output"

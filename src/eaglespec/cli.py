@@ -459,10 +459,13 @@ def cmd_export(a: argparse.Namespace) -> int:
     head = EagleDraftHead.from_pretrained(default_head(a.model, a.head), model, draft_vocab="head")
     dtype = None if a.dtype == "float32" else getattr(torch, a.dtype)  # None: as the head is (fp32)
     if a.format == "gguf":
-        from .interop import export_gguf
+        from .interop import export_gguf, llama_cpp_eagle3_gap
 
         target_dir = Path(a.model) if Path(a.model).is_dir() else converted_path(a.model)
         out = export_gguf(head, target_dir, a.out, model.config, dtype)
+        gap = llama_cpp_eagle3_gap(model.config.model_type)
+        if gap:  # the file is right; this llama.cpp cannot run it (a newer one may)
+            print(f"warning: {gap}", file=sys.stderr)
     else:
         out = export_head(head, a.format, a.out, model.config, dtype)
     print(json.dumps({"format": a.format, "arch": head.arch, "out": str(out)}))

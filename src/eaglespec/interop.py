@@ -29,6 +29,19 @@ def llama_cpp_dir() -> Path:
     return Path(os.environ.get("EAGLESPEC_LLAMA_CPP", engines_dir() / "llama.cpp"))
 
 
+def llama_cpp_eagle3_gap(model_type: str) -> str | None:
+    """Why the llama.cpp source tree (`llama_cpp_dir`) cannot draft EAGLE-3 for a target of this
+    family, in one line; None when it can, or when the tree has no graph file of that name to read.
+    Its EAGLE-3 drafting reads the target's hidden states at the head's layers, which a family's
+    graph provides only where it records each layer's input (``t_layer_inp``); without them the
+    drafting aborts ("layer input tensor is null")."""
+    graph = llama_cpp_dir() / "src" / "models" / f"{model_type.replace('_', '-')}.cpp"
+    if graph.is_file() and "t_layer_inp" not in graph.read_text(errors="replace"):
+        return (f"llama.cpp's {model_type} graph ({graph.name}) records no layer inputs, which its EAGLE-3 drafting "
+                "reads (it would abort: 'layer input tensor is null'); its llama and qwen3 graphs do")
+    return None
+
+
 def export_gguf(head, target_dir: str | os.PathLike, out: str | os.PathLike, target_config=None,
                 dtype: torch.dtype | None = None) -> Path:
     """`head` (an eagle3 head) as a GGUF that llama.cpp's EAGLE-3 drafting reads (``-md``), written

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import EaglespecError
-from ..interop import engines_dir, export_gguf
+from ..interop import engines_dir, export_gguf, llama_cpp_eagle3_gap
 from ..cpu.quant import target_kernels
 from ..models import Engine, converted_path, eos_ids, gguf_path, load_target
 from ..platform import default_head
@@ -238,12 +238,23 @@ def _llama_counts(text: str) -> tuple[int, float] | None:
     return (int(ev.group(2)) + 1, (float(pe.group(1)) + float(ev.group(1))) / 1000) if pe and ev else None
 
 
+def _llama_failure(log: str) -> str:
+    """The line of a failed llama.cpp run's log that says why: its last assertion or error line,
+    else its last line (a crash's log ends in the debugger's backtrace)."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    why = [ln for ln in lines if re.search(r"GGML_ASSERT|GGML_ABORT|\berror\b|failed", ln, re.I)]
+    return ((why or lines or ["no output"])[-1])[:300]
+
+
 def run_llama_cpp(target: str, prompts: list[str], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
     bins = engines_dir() / "llama.cpp-build" / "bin"
     spec_bin, plain_bin = bins / "llama-speculative-simple", bins / "llama-completion"
     if not spec_bin.is_file() or not plain_bin.is_file():
         raise EaglespecError(f"{bins}: llama.cpp is not built; bash scripts/engines.sh llama.cpp")
     model, _ = fp32_target(target)
+    gap = llama_cpp_eagle3_gap(model.config.model_type)
+    if gap:
+        raise EaglespecError(gap)
     common = ["-t", "2", "--temp", "0", "-n", str(n), "-c", "4096"]
     plain, eagle, rounds = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -263,8 +274,7 @@ def run_llama_cpp(target: str, prompts: list[str], head_dir: str, k: int, n: int
                         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                     c = _llama_counts(r.stderr + r.stdout)
                     if r.returncode != 0 or c is None:
-                        raise EaglespecError(f"llama.cpp {name} failed: "
-                                             + (r.stderr.strip().splitlines() or ["?"])[-1][:300])
+                        raise EaglespecError(f"llama.cpp {name} failed: {_llama_failure(r.stderr)}")
                     counts.append(c)
                     out, log = r.stdout, r.stderr
                 if name == "eagle":  # it echoes the prompt before the answer
