@@ -415,6 +415,10 @@ def test_the_defaults_extract_eagle3s_layers_and_train_an_eagle3_head(tiny_featu
 
     assert aux_layers_for("auto", 24) == [2, 12, 21] and aux_layers_for("auto", 30) == [2, 15, 27]
     assert aux_layers_for("auto", 2) == [] and aux_layers_for("none", 24) == [] and aux_layers_for("3,5", 8) == [3, 5]
+    assert aux_layers_for("auto", 6) == [2, 3, 3] and aux_layers_for("auto", 4) == []  # what a head of it defaults to
+    assert EagleDraftHead(tiny_target("llama", layers=6, device="cpu").config, arch="eagle3").aux_layers == [2, 3, 3]
+    with pytest.raises(ValueError, match="too shallow"):
+        EagleDraftHead(tiny_target("llama", layers=4, device="cpu").config, arch="eagle3")
     assert _TrainConfig(features="f", out="o").arch == "eagle3"
     root = tmp_path / "deep"
     shutil.copytree(tiny_features / "model", root / "model")

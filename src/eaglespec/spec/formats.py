@@ -53,6 +53,14 @@ def eagle3_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def default_aux_layers(num_layers: int) -> list[int] | None:
+    """The layers an eagle3 head fuses unless told otherwise: `eagle3_layers`, where they are in
+    order (a shallow target's may repeat one, as they do in the engines that pick them the same
+    way); None for a target too shallow to have them."""
+    layers = eagle3_layers(num_layers)
+    return layers if layers[0] <= layers[1] <= layers[2] else None
+
+
 def llama_layer_config(target: PretrainedConfig) -> LlamaConfig:
     """The decoder layer official EAGLE's and EAGLE-3's heads have whatever their target's family: a
     Llama layer with the target's shapes and RoPE and no biases (what official EAGLE, SafeAILab's,

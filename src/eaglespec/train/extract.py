@@ -26,7 +26,7 @@ from tqdm import tqdm
 from ..errors import CheckpointError, EaglespecError
 from ..io import atomic_save_safetensors, atomic_write_json
 from ..models import HiddenStateTap, check_layers
-from ..spec.formats import eagle3_layers
+from ..spec.formats import default_aux_layers
 from .data import load_conversations, render, split
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -240,11 +240,10 @@ def parse_layers(text: str) -> list[int]:
 
 def aux_layers_for(text: str, num_layers: int) -> list[int]:
     """The aux layers `text` names for a target of `num_layers` layers: "auto" = EAGLE-3's low, mid
-    and high layers (`eagle3_layers`) where they are three distinct layers, else none."""
+    and high layers (`default_aux_layers`) where the target has them, else none."""
     if text.strip() != "auto":
         return parse_layers(text)
-    layers = eagle3_layers(num_layers)
-    return layers if len(set(layers)) == 3 and layers == sorted(layers) and layers[0] >= 0 else []
+    return default_aux_layers(num_layers) or []
 
 
 def aux_path(shard: Path) -> Path:
