@@ -211,7 +211,7 @@ def test_official_eagle_decodes_an_exported_eagle1_head(tmp_path):
 
 
 def test_engine_table_rows_read_each_engines_own_counts():
-    from eaglespec.bench.engines import _llama_counts, row
+    from eaglespec.bench.engines import _llama_counts, report, row
 
     spec_log = ("0.01 I encoded   33 tokens in    0.135 seconds, speed:  244.651 t/s\n"
                 "0.01 I decoded   13 tokens in    0.355 seconds, speed:   36.625 t/s\n")
@@ -224,6 +224,12 @@ def test_engine_table_rows_read_each_engines_own_counts():
     assert r["plain_tokens_per_s"] == 2.0 and r["eagle_tokens_per_s"] == 4.0 and r["speedup"] == 2.0
     assert r["tau"] == 2.0 and r["prompts_equal"] == r["prompts"] == 1
     assert row("x", "fp32", "h", [([1], 1, 1.0)], [([2], 1, 1.0)], None)["prompts_equal"] == 0
+    m = {"cpu": "c", "threads": 2, "host": "h", "date": "d", "commit": "x"}
+    llama = {**row("llama.cpp (source)", "gguf", "h", [([1], 1, 1.0)] * 2, [([1], 1, 1.0), ([2], 1, 1.0)], [1, 1]),
+             "prompts_equal_undrafted": 2}
+    table = report({"machine": m, "prompts": 2, "max_new_tokens": 1, "repeats": 1, "rows": [r, llama]})
+    assert "| yes |" in table and "**1 of 2 prompts** (2 of 2 against its EAGLE program drafting nothing)" in table
+    assert table.count("drafting nothing (`--spec-type") == 1
 
 
 def test_a_llama_cpp_graph_without_layer_inputs_is_named_before_it_aborts(tmp_path, monkeypatch):

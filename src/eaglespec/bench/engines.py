@@ -18,7 +18,8 @@ plain output.
   the speculators layout, K speculative tokens; fp32.
 - llama.cpp (built by `scripts/engines.sh llama.cpp`): the eagle3 head as GGUF beside the packaged
   target GGUF, `llama-speculative-simple --spec-type draft-eagle3 --spec-draft-n-max K`; plain =
-  `llama-completion`.
+  `llama-completion`. Its EAGLE output is also compared with the speculative program drafting
+  nothing, its own plain decoding, which on some prompts differs from `llama-completion`'s.
 
 Writes results.json, report.md (Markdown table) and speedup.png to --out.
 """
@@ -256,7 +257,7 @@ def run_llama_cpp(target: str, prompts: list[str], head_dir: str, k: int, n: int
     if gap:
         raise EaglespecError(gap)
     common = ["-t", "2", "--temp", "0", "-n", str(n), "-c", "4096"]
-    plain, eagle, rounds = [], [], []
+    plain, eagle, rounds, undrafted_equal = [], [], [], 0
     with tempfile.TemporaryDirectory() as tmp:
         gguf = export_gguf(EagleDraftHead.from_pretrained(head_dir, model), converted_path(target), tmp, model.config)
         for text in prompts:
@@ -264,11 +265,15 @@ def run_llama_cpp(target: str, prompts: list[str], head_dir: str, k: int, n: int
             pf.write_text(text)
             base = ["-m", str(gguf_path(target)), "-f", str(pf), *common]
             runs = {}
-            for name, cmd in (("plain", [str(plain_bin), *base, "-no-cnv", "--no-display-prompt", "--poll", "0"]),
-                              ("eagle", [str(spec_bin), *base, "-md", str(gguf), "--spec-type", "draft-eagle3",
-                                         "--spec-draft-n-max", str(k), "--poll", "0", "--poll-draft", "0"])):
+            for name, cmd, timed in (
+                    ("plain", [str(plain_bin), *base, "-no-cnv", "--no-display-prompt", "--poll", "0"], repeats),
+                    ("eagle", [str(spec_bin), *base, "-md", str(gguf), "--spec-type", "draft-eagle3",
+                               "--spec-draft-n-max", str(k), "--poll", "0", "--poll-draft", "0"], repeats),
+                    # the speculative program drafting nothing: its own plain decoding, untimed
+                    ("undrafted", [str(spec_bin), *base, "--spec-type", "ngram-simple", "--spec-draft-n-max", "0",
+                                   "--poll", "0"], 0)):
                 counts, out, log = [], "", ""
-                for _ in range(repeats + 1):  # the first run warms the page cache
+                for _ in range(timed + 1):  # the first run warms the page cache
                     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                     if r.returncode != 0:  # its draft context now and then fails to start: once more
                         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -277,19 +282,23 @@ def run_llama_cpp(target: str, prompts: list[str], head_dir: str, k: int, n: int
                         raise EaglespecError(f"llama.cpp {name} failed: {_llama_failure(r.stderr)}")
                     counts.append(c)
                     out, log = r.stdout, r.stderr
-                if name == "eagle":  # it echoes the prompt before the answer
+                if name != "plain":  # the speculative program echoes the prompt before the answer
                     out = out.strip("\n")
                     out = out[len(text):] if out.startswith(text) else out
+                if name == "eagle":
                     acc = re.search(r"n_predict\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", log, re.S)
                     rounds.append(int(acc.group(1)) - int(acc.group(2)) if acc else 0)
-                runs[name] = (out.strip(), counts[-1][0], statistics.median(c[1] for c in counts[1:]))
-            if runs["eagle"][0].startswith(runs["plain"][0]):  # it may run a round past the budget
+                runs[name] = (out.strip(), counts[-1][0], statistics.median(c[1] for c in counts[1:]) if timed else 0.0)
+            ours, own = runs["eagle"][0], runs["undrafted"][0]
+            undrafted_equal += ours.startswith(own) or own.startswith(ours)  # either may stop a round later
+            if ours.startswith(runs["plain"][0]):  # it may run a round past the budget
                 runs["eagle"] = (runs["plain"][0],) + runs["eagle"][1:]
             plain.append(runs["plain"])
             eagle.append(runs["eagle"])
-    return row("llama.cpp (llama-cpp-python 0.3.36 source)", gguf_path(target).name, f"eagle3 GGUF, chain:{k}", plain, eagle,
-               rounds, "outputs compared as text (EAGLE's may run past the budget: its prefix); tokens and times "
-               "from its own log")
+    return {**row("llama.cpp (llama-cpp-python 0.3.36 source)", gguf_path(target).name, f"eagle3 GGUF, chain:{k}",
+                  plain, eagle, rounds, "outputs compared as text (EAGLE's may run past the budget: its prefix); "
+                  "tokens and times from its own log"),
+            "prompts_equal_undrafted": undrafted_equal}
 
 
 # -- the table ------------------------------------------------------------------------------------
@@ -302,14 +311,21 @@ def report(result: dict[str, Any]) -> str:
              f"median of {result['repeats']} runs per prompt, prefill included.", "",
              "| engine | target | head, draft | plain tok/s | EAGLE tok/s | speedup | tokens / target forward | EAGLE = own plain |",
              "|---|---|---|---|---|---|---|---|"]
+    notes: list[str] = []
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"| {r['engine']} | - | - | - | - | - | - | not run: {r['error']} |")
             continue
         f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
         equal = "yes" if r["prompts_equal"] == r["prompts"] else f"**{r['prompts_equal']} of {r['prompts']} prompts**"
+        if r["prompts_equal"] < r["prompts"] and "prompts_equal_undrafted" in r:
+            equal += f" ({r['prompts_equal_undrafted']} of {r['prompts']} against its EAGLE program drafting nothing)"
+            notes.append(f"{r['engine'].split(' ')[0]}: `llama-speculative-simple` drafting nothing (`--spec-type "
+                         "ngram-simple --spec-draft-n-max 0`) is that program's own plain decoding; where its output "
+                         "differs from `llama-completion`'s, the two programs' numerics differ, whatever is drafted.")
         lines.append(f"| {r['engine']} | {r['target']} | {r['head']} | {f(r['plain_tokens_per_s'])} | "
                      f"{f(r['eagle_tokens_per_s'])} | {f(r['speedup'], 2)}x | {f(r['tau'], 2)} | {equal} |")
+    lines += [""] + notes if notes else []
     check = result.get("speculators")
     if check:
         lines += ["", ("speculators 0.9.0 (`Eagle3DraftModel`) reads the exported eagle3 head: "
