@@ -236,7 +236,7 @@ def test_a_llama_cpp_graph_without_layer_inputs_is_named_before_it_aborts(tmp_pa
     """llama.cpp drafts EAGLE-3 only for target families whose graph records each layer's input: the
     check reads the source tree's graph file; a failed run is reported by its assertion line, not by
     the backtrace that follows it."""
-    from eaglespec.bench.engines import _llama_failure
+    from eaglespec.bench.engines import _llama_failure, _without_echo
     from eaglespec.interop import llama_cpp_eagle3_gap
 
     models = tmp_path / "src" / "models"
@@ -252,3 +252,6 @@ def test_a_llama_cpp_graph_without_layer_inputs_is_named_before_it_aborts(tmp_pa
            "[New LWP 4564]\n30\t../sysdeps/unix/sysv/linux/wait4.c: No such file or directory.\n")
     assert "layer input tensor is null" in _llama_failure(log)
     assert _llama_failure("only\nthis\n") == "this" and _llama_failure("") == "no output"
+    prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert _without_echo("\n\n" + prompt + "Hello", prompt) == "Hello"
+    assert _without_echo("\n\n" + prompt.rstrip("\n") + "Hello\n", prompt) == "Hello"

@@ -247,6 +247,16 @@ def _llama_failure(log: str) -> str:
     return ((why or lines or ["no output"])[-1])[:300]
 
 
+def _without_echo(out: str, prompt: str) -> str:
+    """llama-speculative-simple's output without the prompt it echoes first (the prompt's closing
+    newline may be missing from the echo: the program prints its last token as the first answer's)."""
+    out = out.strip("\n")
+    for echo in (prompt, prompt.rstrip("\n")):
+        if out.startswith(echo):
+            return out[len(echo):]
+    return out
+
+
 def run_llama_cpp(target: str, prompts: list[str], head_dir: str, k: int, n: int, repeats: int) -> dict[str, Any]:
     bins = engines_dir() / "llama.cpp-build" / "bin"
     spec_bin, plain_bin = bins / "llama-speculative-simple", bins / "llama-completion"
@@ -282,9 +292,8 @@ def run_llama_cpp(target: str, prompts: list[str], head_dir: str, k: int, n: int
                         raise EaglespecError(f"llama.cpp {name} failed: {_llama_failure(r.stderr)}")
                     counts.append(c)
                     out, log = r.stdout, r.stderr
-                if name != "plain":  # the speculative program echoes the prompt before the answer
-                    out = out.strip("\n")
-                    out = out[len(text):] if out.startswith(text) else out
+                if name != "plain":
+                    out = _without_echo(out, text)
                 if name == "eagle":
                     acc = re.search(r"n_predict\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", log, re.S)
                     rounds.append(int(acc.group(1)) - int(acc.group(2)) if acc else 0)
