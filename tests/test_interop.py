@@ -210,8 +210,9 @@ def test_official_eagle_decodes_an_exported_eagle1_head(tmp_path):
     assert Engine(model, head, tree="paper").generate(prompt, len(out)).token_ids == ref
 
 
-def test_engine_table_rows_read_each_engines_own_counts():
-    from eaglespec.bench.engines import _llama_counts, report, row
+def test_engine_table_rows_read_each_engines_own_counts(tmp_path):
+    from eaglespec.bench.engines import _llama_counts, head_summary, report, row
+    from eaglespec.platform import default_head
 
     spec_log = ("0.01 I encoded   33 tokens in    0.135 seconds, speed:  244.651 t/s\n"
                 "0.01 I decoded   13 tokens in    0.355 seconds, speed:   36.625 t/s\n")
@@ -230,6 +231,15 @@ def test_engine_table_rows_read_each_engines_own_counts():
     table = report({"machine": m, "prompts": 2, "max_new_tokens": 1, "repeats": 1, "rows": [r, llama]})
     assert "| yes |" in table and "**1 of 2 prompts** (2 of 2 against its EAGLE program drafting nothing)" in table
     assert table.count("drafting nothing (`--spec-type") == 1
+    rec = {"steps": 164, "tokens_seen": 366903, "evals": [{"unroll_acc": [0.5, 0.4, 0.3, 0.2]}]}
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "training.json").write_text(json.dumps(rec))
+    said = head_summary(str(head))
+    assert said == "trained 164 steps, 0.37 M tokens seen, held-out agreement at draft steps 1-3 0.500 / 0.400 / 0.300"
+    assert head_summary(default_head("smollm2-135m-instruct", "eagle3")) == "the shipped `smollm2-135m-instruct-eagle3`"
+    table = report({"machine": m, "prompts": 2, "max_new_tokens": 1, "repeats": 1, "heads": {"eagle3": said}, "rows": [r]})
+    assert f"eagle3 head: {said}." in table
 
 
 def test_a_llama_cpp_graph_without_layer_inputs_is_named_before_it_aborts(tmp_path, monkeypatch):

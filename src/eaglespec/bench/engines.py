@@ -44,9 +44,9 @@ from ..errors import EaglespecError
 from ..interop import engines_dir, export_gguf, llama_cpp_eagle3_gap
 from ..cpu.quant import target_kernels
 from ..models import Engine, converted_path, eos_ids, gguf_path, load_target
-from ..platform import default_head
+from ..platform import SHIPPED_HEADS, default_head
 from ..spec.formats import export_head
-from ..spec.head import EagleDraftHead
+from ..spec.head import EagleDraftHead, read_training_record
 from ..spec.verify import SamplingParams
 from .datasets import TITLES, load_questions
 from .harness import machine, write_run
@@ -311,13 +311,28 @@ def run_llama_cpp(target: str, prompts: list[str], head_dir: str, k: int, n: int
 
 
 # -- the table ------------------------------------------------------------------------------------
+def head_summary(path: str) -> str:
+    """Which head the rows ran: a shipped head's name, or a trained head's budget and its last
+    held-out agreement (its training record)."""
+    p = Path(path)
+    if p.resolve().parent == SHIPPED_HEADS:
+        return f"the shipped `{p.name}`"
+    rec = read_training_record(p)
+    if not rec.get("steps"):
+        return f"`{p.name}`"
+    accs = ((rec.get("evals") or [{}])[-1].get("unroll_acc") or [])[:3]
+    return (f"trained {rec['steps']} steps, {rec.get('tokens_seen', 0) / 1e6:.2f} M tokens seen"
+            + (", held-out agreement at draft steps 1-3 " + " / ".join(f"{a:.3f}" for a in accs) if accs else ""))
+
+
 def report(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [f"{m['cpu']}, {m['threads']} threads, host `{m['host']}`, {m['date']}, commit `{m['commit']}`; "
              f"{result.get('model', MODEL)}, {result['prompts']} "
              f"{TITLES.get(result.get('dataset', 'mt_bench'), result.get('dataset'))} first turns, "
              f"{result['max_new_tokens']} new tokens, T = 0, "
-             f"median of {result['repeats']} runs per prompt, prefill included.", "",
+             f"median of {result['repeats']} runs per prompt, prefill included."
+             + "".join(f" {arch} head: {what}." for arch, what in result.get("heads", {}).items()), "",
              "| engine | target | head, draft | plain tok/s | EAGLE tok/s | speedup | tokens / target forward | EAGLE = own plain |",
              "|---|---|---|---|---|---|---|---|"]
     notes: list[str] = []
@@ -384,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     want = a.engines.split(",")
     _, tok = fp32_target(a.model)
     a.eagle3_head, a.eagle1_head = default_head(a.model, a.eagle3_head), default_head(a.model, a.eagle1_head)
-    for arch, head, needs in (("eagle3", a.eagle3_head, {"eaglespec", "vllm", "llama.cpp"}), ("eagle1", a.eagle1_head, {"official"})):
-        if head is None and needs & set(want):
+    uses = [(arch, head) for arch, head, needs in (("eagle3", a.eagle3_head, {"eaglespec", "vllm", "llama.cpp"}),
+                                                   ("eagle1", a.eagle1_head, {"official"})) if needs & set(want)]
+    for arch, head in uses:
+        if head is None:
             raise SystemExit(f"eaglespec: error: no shipped {arch} head for {a.model}: give --{arch}-head")
     texts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                      tokenize=False) for q in load_questions(a.dataset, a.limit, spread=True)]
@@ -412,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"engine": name, "error": str(e)})
         print(f"engines: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     result = {"machine": machine(), "model": a.model, "dataset": a.dataset, "prompts": len(prompts),
-              "max_new_tokens": a.max_new_tokens, "k": a.k, "repeats": a.repeats, "rows": rows}
+              "max_new_tokens": a.max_new_tokens, "k": a.k, "repeats": a.repeats,
+              "heads": {arch: head_summary(head) for arch, head in uses}, "rows": rows}
     if "vllm" in want:
         try:
             result["speculators"] = check_speculators(prompts[0], a.eagle3_head, a.model)
