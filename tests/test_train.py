@@ -550,7 +550,7 @@ def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path):
                            init=str(tmp_path / "a" / "head"), **common))
     target, _ = load_target(str(root / "model"))
     fused = EagleDraftHead.from_pretrained(tmp_path / "b" / "head", target)
-    assert st["step"] == 3 and fused.aux_layers == [1, 2] and float(fused.fuse.weight.abs().max()) > 0
+    assert st["step"] == 3 and fused.aux_layers == [1, 2] and float(fused.fuse.weight.detach().abs().max()) > 0
     with pytest.raises(CheckpointError, match="holds layers"):
         train(TrainConfig(features=str(feats), out=str(tmp_path / "c"), max_steps=1, aux_layers="2", **common))
     with pytest.raises(CheckpointError, match="missing; run"):
