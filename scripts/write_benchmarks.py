@@ -252,10 +252,10 @@ def host_section(run: Path, kept: dict[str, str] | None = None) -> tuple[str, st
     lines += speed("qwen-int4-q8", f"{qwen}, int4-q8 target (`--quantize fastest`)")
     lines += table((run / "qwen-curve" / "cost_curve.json").is_file(), f"Cost curve ({qwen}",
                    lambda: curve_table(run, kind, "qwen-curve", f"{qwen}, fp32 target"))
-    lines += table(results["qwen-tau"] is not None, f"{qwen}: acceptance",
-                   lambda: tau_table(results["qwen-tau"], f"{qwen}: acceptance on the paper tree (T = 0)"))
-    lines += table(results["qwen-engines"] is not None, f"{qwen}: engine against engine",
-                   lambda: engines_table(run, results["qwen-engines"], "qwen-engines", f"{qwen}: engine against engine"))
+    tau_title, engines_title = f"{qwen}: acceptance on the paper tree (T = 0)", f"{qwen}: engine against engine"
+    lines += table(results["qwen-tau"] is not None, tau_title, lambda: tau_table(results["qwen-tau"], tau_title))
+    lines += table(results["qwen-engines"] is not None, engines_title,
+                   lambda: engines_table(run, results["qwen-engines"], "qwen-engines", engines_title))
     return kind, "\n".join(lines).rstrip() + "\n"
 
 
