@@ -220,6 +220,29 @@ def test_resume_equals_uninterrupted(tiny_features, tmp_path):
     assert (tmp_path / "a" / "curves.png").is_file() and (tmp_path / "a" / "train_log.json").is_file()
 
 
+@pytest.mark.parametrize("arch", ["hybrid", "eagle3"])
+def test_bfloat16_autocast_trains_the_same_head_within_its_precision(tiny_features, tmp_path, arch):
+    """--dtype bfloat16 runs the step's matrix products in bf16 and keeps fp32 weights: the first
+    loss is the fp32 one to within bf16 rounding, and the trained weights stay fp32."""
+    import shutil
+
+    feats = tiny_features / "feats"
+    if arch == "eagle3":  # its three fused layers, of a 2-layer target
+        feats = tmp_path / "feats"
+        shutil.copytree(tiny_features / "feats", feats)
+        extract(ExtractConfig(model=str(tiny_features / "model"), out_dir=str(feats), aux_layers="1,1,2", aux_only=True))
+    common = dict(features=str(feats), model=str(tiny_features / "model"), epochs=1, batch_tokens=128, draft_vocab=0,
+                  eval_conversations=1, max_steps=2, arch=arch, aux_layers="1,1,2" if arch == "eagle3" else "")
+    fp32 = train(TrainConfig(out=str(tmp_path / "a"), **common))
+    bf16 = train(TrainConfig(out=str(tmp_path / "b"), dtype="bfloat16", **common))
+    a, b = fp32["log"][0]["loss"], bf16["log"][0]["loss"]
+    assert a != b and abs(a - b) < 0.02 * abs(a)
+    assert all(t.dtype == torch.float32 for t in load_file(str(tmp_path / "b" / "head" / "model.safetensors")).values()
+               if t.is_floating_point())
+    with pytest.raises(EaglespecError, match="dtype must be"):
+        TrainConfig(features="f", out="o", dtype="float16").validate()
+
+
 def test_a_damaged_checkpoint_falls_back_to_the_one_before_and_the_schedule_cannot_change(tiny_features, tmp_path):
     """The checkpoint before the newest is kept; a damaged newest one (here its state cut short) is
     passed over for it, with a warning; resuming with another --epochs is refused in one line."""
@@ -439,7 +462,8 @@ def test_the_defaults_extract_eagle3s_layers_and_train_an_eagle3_head(tiny_featu
 def test_an_eagle3_head_of_a_qwen2_target_is_a_llama_layer_without_biases(tiny_features, tmp_path):
     """EAGLE-3's and official EAGLE's heads are Llama layers whatever the target (what vLLM, SGLang
     and llama.cpp read): trained for a Qwen2 target, the head has no attention biases, exports none,
-    and decodes to the target's greedy output; GGUF export refuses a head whose layer has biases."""
+    and decodes to the target's greedy output; GGUF export refuses a head whose layer has biases.
+    `intermediate_size` narrows a new head's MLP (the exported layer config says so), not an --init's."""
     import shutil
 
     from safetensors.torch import load_file as read
@@ -457,13 +481,18 @@ def test_an_eagle3_head_of_a_qwen2_target_is_a_llama_layer_without_biases(tiny_f
     extract(ExtractConfig(model=str(root / "model"), out_dir=str(root / "feats"),
                           data=str(tiny_features / "convs.jsonl"), max_len=64, max_tokens=2_000, heldout=4))
     train(_TrainConfig(features=str(root / "feats"), out=str(tmp_path / "run"), model=str(root / "model"),
-                       max_steps=2, batch_tokens=128, eval_conversations=1, draft_vocab=0))
+                       max_steps=2, batch_tokens=128, eval_conversations=1, draft_vocab=0, intermediate_size=48))
     target, _ = load_target(str(root / "model"))
     head = EagleDraftHead.from_pretrained(tmp_path / "run" / "head", target)
     assert head.arch == "eagle3" and head.model_type == "qwen2"
     assert head.layer_config.model_type == "llama" and not head.layer_config.attention_bias
-    assert not [k for k in read(str(export_head(head, "speculators", tmp_path / "spec", target.config)
-                                     / "model.safetensors")) if k.endswith("bias")]
+    assert head.layer_config.intermediate_size == 48 and target.config.intermediate_size == 128
+    exported = export_head(head, "speculators", tmp_path / "spec", target.config)
+    weights = read(str(exported / "model.safetensors"))
+    assert not [k for k in weights if k.endswith("bias")] and weights["layers.0.mlp.up_proj.weight"].shape[0] == 48
+    assert json.loads((exported / "config.json").read_text())["transformer_layer_config"]["intermediate_size"] == 48
+    with pytest.raises(EaglespecError, match="its own MLP width"):
+        _TrainConfig(features="f", out="o", init=str(tmp_path / "run" / "head"), intermediate_size=48).validate()
     prompt = [2, 17, 40, 9, 3, 4]
     x = torch.tensor([prompt])
     want = target.generate(x, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
