@@ -4,6 +4,7 @@
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,6 +241,25 @@ def test_engine_table_rows_read_each_engines_own_counts(tmp_path):
     assert head_summary(default_head("smollm2-135m-instruct", "eagle3")) == "the shipped `smollm2-135m-instruct-eagle3`"
     table = report({"machine": m, "prompts": 2, "max_new_tokens": 1, "repeats": 1, "heads": {"eagle3": said}, "rows": [r]})
     assert f"eagle3 head: {said}." in table
+
+
+def test_shipped_heads_are_found_by_architecture(tmp_path, monkeypatch):
+    """heads/<model> is a model's default head, whatever its architecture; heads/<model>-<arch> another
+    architecture's. Asking for an architecture finds its own folder, else the default head when it
+    is of that architecture, else nothing; a folder or hub id is returned as given."""
+    from eaglespec import platform
+
+    for name, arch in (("a", "eagle3"), ("b", "hybrid"), ("b-eagle3", "eagle3"), ("c", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({} if arch is None else {"arch": arch}))
+    monkeypatch.setattr(platform, "SHIPPED_HEADS", tmp_path)
+    found = {(m, h): platform.default_head(m, h) for m in "abcd" for h in (None, "eagle3", "hybrid", "eagle1")}
+    where = {k: v and Path(v).name for k, v in found.items()}
+    assert where == {("a", None): "a", ("a", "eagle3"): "a", ("a", "hybrid"): None, ("a", "eagle1"): None,
+                     ("b", None): "b", ("b", "eagle3"): "b-eagle3", ("b", "hybrid"): "b", ("b", "eagle1"): None,
+                     ("c", None): "c", ("c", "eagle3"): None, ("c", "hybrid"): "c", ("c", "eagle1"): None,
+                     ("d", None): None, ("d", "eagle3"): None, ("d", "hybrid"): None, ("d", "eagle1"): None}
+    assert platform.default_head("a", "org/repo") == "org/repo"
 
 
 def test_a_llama_cpp_graph_without_layer_inputs_is_named_before_it_aborts(tmp_path, monkeypatch):

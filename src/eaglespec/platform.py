@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform as _platform
 from functools import lru_cache
@@ -78,7 +79,7 @@ def unsupported_transformers(version: str | None = None) -> str | None:
 SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
 
 
-SHIPPED_ARCHS = ("hybrid", "eagle1", "eagle3")  # heads/<model> is the hybrid, heads/<model>-<arch> the others
+SHIPPED_ARCHS = ("hybrid", "eagle1", "eagle3")  # heads/<model> is the default head, heads/<model>-<arch> the others
 
 
 def default_head(model: str, head: str | None = None) -> str | None:
@@ -87,6 +88,18 @@ def default_head(model: str, head: str | None = None) -> str | None:
     architecture's, unless a folder of that name exists), or None where none is shipped."""
     if head is not None and (head not in SHIPPED_ARCHS or Path(head).exists()):
         return head
-    name = model.lower() if head in (None, "hybrid") else f"{model.lower()}-{head}"
-    path = SHIPPED_HEADS / name
-    return str(path) if (path / "config.json").is_file() else None
+    default = SHIPPED_HEADS / model.lower()
+    if not (default / "config.json").is_file():
+        default = None
+    if head is None:
+        return None if default is None else str(default)
+    named = SHIPPED_HEADS / f"{model.lower()}-{head}"
+    if (named / "config.json").is_file():
+        return str(named)
+    if default is not None and _shipped_arch(default) == head:
+        return str(default)
+    return None
+
+
+def _shipped_arch(folder: Path) -> str:
+    return json.loads((folder / "config.json").read_text()).get("arch", "hybrid")  # heads older than arch: hybrid
