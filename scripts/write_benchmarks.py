@@ -112,6 +112,9 @@ def speed_tables(result: dict, title: str) -> list[str]:
           and r["method"].startswith("eagle")]
     if eq:
         out += [f"Greedy EAGLE output equals vanilla's on every question: **{'yes' if all(eq) else 'NO'}**.", ""]
+    skipped = result.get("skipped") or {}
+    if skipped:  # a method the run could not run is named, not silently missing
+        out += ["Not run: " + "; ".join(f"`{m}`, {why}" for m, why in skipped.items()) + ".", ""]
     return out
 
 
