@@ -442,6 +442,9 @@ def test_the_defaults_extract_eagle3s_layers_and_train_an_eagle3_head(tiny_featu
     assert EagleDraftHead(tiny_target("llama", layers=6, device="cpu").config, arch="eagle3").aux_layers == [2, 3, 3]
     with pytest.raises(ValueError, match="too shallow"):
         EagleDraftHead(tiny_target("llama", layers=4, device="cpu").config, arch="eagle3")
+    with pytest.raises(EaglespecError, match="too shallow.*--aux-layers"):  # the CLI's one line, before any data is read
+        train(_TrainConfig(features=str(tiny_features / "feats"), out=str(tmp_path / "shallow"),
+                           model=str(tiny_features / "model"), arch="eagle3"))
     assert _TrainConfig(features="f", out="o").arch == "eagle3"
     root = tmp_path / "deep"
     shutil.copytree(tiny_features / "model", root / "model")

@@ -15,3 +15,8 @@ class HeadMismatchError(EaglespecError):
 
 class ModelNotFoundError(EaglespecError):
     """An unknown model name or a path that holds no model."""
+
+
+class ShallowTargetError(EaglespecError, ValueError):
+    """A target with too few layers for EAGLE-3's default aux layers: a bad argument to the head's
+    constructor (ValueError) and one clear line from the CLI (EaglespecError)."""

@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import LlamaConfig, PretrainedConfig
 
-from ..errors import CheckpointError, EaglespecError
+from ..errors import CheckpointError, EaglespecError, ShallowTargetError
 from ..io import atomic_save_safetensors, atomic_torch_save, atomic_write_json
 
 if TYPE_CHECKING:
@@ -59,6 +59,15 @@ def default_aux_layers(num_layers: int) -> list[int] | None:
     way); None for a target too shallow to have them."""
     layers = eagle3_layers(num_layers)
     return layers if layers[0] <= layers[1] <= layers[2] else None
+
+
+def eagle3_default_aux_layers(num_layers: int) -> list[int]:
+    """`default_aux_layers`, or one error that says to name the layers."""
+    layers = default_aux_layers(num_layers)
+    if layers is None:
+        raise ShallowTargetError(f"a target of {num_layers} layers is too shallow for EAGLE-3's default aux "
+                                 "layers (2, L // 2, L - 3): name three (--aux-layers)")
+    return layers
 
 
 def llama_layer_config(target: PretrainedConfig) -> LlamaConfig:

@@ -47,8 +47,8 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 
 from ..errors import CheckpointError, EaglespecError, HeadMismatchError
 from ..io import atomic_save_safetensors, atomic_write_json
-from .formats import (HEAD_FORMAT, HEAD_FORMAT_VERSION, default_aux_layers, detect, read_json, read_weights, resolve,
-                      to_eaglespec)
+from .formats import (HEAD_FORMAT, HEAD_FORMAT_VERSION, detect, eagle3_default_aux_layers, read_json, read_weights,
+                      resolve, to_eaglespec)
 from .rope import rope
 from .tree import float_mask
 
@@ -150,10 +150,7 @@ class EagleDraftHead(nn.Module):
         if arch == "eagle1" and aux_layers:
             raise ValueError("an eagle1 head reads no aux layers (eagle3 and hybrid do)")
         if arch == "eagle3" and not aux_layers:
-            aux_layers = default_aux_layers(target_config.num_hidden_layers)
-            if aux_layers is None:
-                raise ValueError(f"a target of {target_config.num_hidden_layers} layers is too shallow for EAGLE-3's "
-                                 "default aux layers (2, L // 2, L - 3): name three")
+            aux_layers = eagle3_default_aux_layers(target_config.num_hidden_layers)
         self.arch = arch
         self.input_mode = input_mode
         self.layer_config = _layer_config(target_config, num_layers)

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from ..spec.cache import KVCache
 from ..errors import CheckpointError, EaglespecError
-from ..spec.formats import default_aux_layers, llama_layer_config
+from ..spec.formats import eagle3_default_aux_layers, llama_layer_config
 from ..spec.head import ARCHS, INPUT_MODES, EagleDraftHead, read_head_config, read_training_record
 from ..io import atomic_torch_save, atomic_write_json, atomic_write_text, short_path
 from ..models import eos_ids
@@ -401,10 +401,7 @@ def train(cfg: TrainConfig, resume: bool = True) -> dict:
     aux_layers = parse_layers(cfg.aux_layers) or (read_head_config(Path(cfg.init)).get("aux_layers") or []
                                                    if cfg.init else [])
     if cfg.arch == "eagle3" and not aux_layers:
-        aux_layers = default_aux_layers(target.config.num_hidden_layers)
-        if aux_layers is None:
-            raise EaglespecError(f"{cfg.model} has {target.config.num_hidden_layers} layers, too few for EAGLE-3's "
-                                 "default aux layers (2, L // 2, L - 3): name three with --aux-layers")
+        aux_layers = eagle3_default_aux_layers(target.config.num_hidden_layers)
     train_set = load_split(*(d / "train" for d in feats_dirs), aux_layers=aux_layers)
     held = load_split(feats_dirs[0] / "heldout", aux_layers=aux_layers)
     if train_set.width != target.config.hidden_size * (1 + len(aux_layers)):
