@@ -543,9 +543,9 @@ def test_pooled_feature_folders(tiny_features, tmp_path):
         train(TrainConfig(features=f"{d},{tmp_path}", out=str(tmp_path / "p"), model=str(tiny_features / "model")))
 
 
-def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path):
+def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path, monkeypatch):
     """`extract --aux-only --aux-layers` writes each shard's aux file (the model's hidden states at
-    those layers, resumable); `train --init H --aux-layers` trains a head that fuses them; a folder
+    those layers, resumable), and `extract --aux-layers` the same files from its own forwards; `train --init H --aux-layers` trains a head that fuses them; a folder
     without them, or with other layers, gives an error naming the file."""
     import shutil
 
@@ -574,6 +574,24 @@ def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path):
         hs = model.model(t["input_ids"][a:b].long()[None], output_hidden_states=True).hidden_states
     assert aux["layers"].tolist() == [1, 2]
     torch.testing.assert_close(aux["aux"][a:b].float(), torch.stack([hs[1][0], hs[2][0]], 1), atol=2e-2, rtol=1e-2)
+
+    # extract with --aux-layers takes them from the forward that computes the features: one pass
+    import eaglespec.train.extract as ex
+
+    passed = []
+    def counted(model, batch, layers=None):
+        passed.append(sum(map(len, batch)))
+        return features_for(model, batch, layers)
+    features_for = ex.features_for
+    monkeypatch.setattr(ex, "features_for", counted)
+    one = tmp_path / "one"
+    rep = extract(ExtractConfig(model=str(root / "model"), out_dir=str(one), data=str(root / "convs.jsonl"),
+                                max_len=64, max_tokens=10_000, heldout=4, conversations_per_shard=8, aux_layers="1,2"))
+    assert sum(passed) == rep["train"]["tokens"] + rep["heldout"]["tokens"]
+    for s in shards:
+        mine = one / "train" / s.name
+        assert torch.equal(read_shard(mine)["features"], read_shard(root / "feats" / "train" / s.name)["features"])
+        torch.testing.assert_close(load_file(str(aux_path(mine)))["aux"], load_file(str(aux_path(s)))["aux"])
 
     common = dict(model=str(root / "model"), epochs=1, batch_tokens=128, draft_vocab=0, eval_conversations=2,
                   save_every=50, warmup_steps=2, lr=1e-3)

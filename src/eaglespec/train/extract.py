@@ -54,7 +54,8 @@ class ExtractConfig:
 @torch.inference_mode()
 def features_for(model, batch: list[list[int]], layers: list[int] | None = None) -> list[torch.Tensor]:
     """Final-norm hidden states (what the LM head reads) for a right-padded batch, (n, H) each;
-    with `layers`, those layers' hidden states instead (`output_hidden_states` numbering), (n, k, H)."""
+    with `layers`, those layers' hidden states after them (`output_hidden_states` numbering), from
+    the same forward, (n, 1 + k, H)."""
     width = max(len(x) for x in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     att = torch.zeros(len(batch), width, dtype=torch.long)
@@ -66,7 +67,7 @@ def features_for(model, batch: list[list[int]], layers: list[int] | None = None)
     tap = HiddenStateTap.of(decoder, layers or [])
     with tap.capture(layers or []):
         out = decoder(input_ids=ids.to(dev), attention_mask=att.to(dev), **tap.forward_kwargs(layers or []))
-    h = torch.stack(tap.read(out, layers), 2) if layers else out.last_hidden_state
+    h = torch.stack([out.last_hidden_state, *tap.read(out, layers)], 2) if layers else out.last_hidden_state
     return [h[i, : len(x)].float().cpu() for i, x in enumerate(batch)]
 
 
@@ -119,15 +120,19 @@ def add_aux(folder: Path, model, layers: list[int], batch_tokens: int = 4096) ->
         t = read_shard(path)
         off = t["offsets"].tolist()
         seqs = [t["input_ids"][a:b].tolist() for a, b in zip(off, off[1:])]
-        save_aux(path, torch.cat(_all_features(model, seqs, batch_tokens, bar, layers)), layers)
+        save_aux(path, torch.cat(_all_features(model, seqs, batch_tokens, bar, layers))[:, 1:], layers)
     bar.close()
     return sum(sizes)
 
 
-def _shard(model, items: list[tuple[list[int], list[int]]], vocab: int, batch_tokens: int,
-           bar: tqdm) -> dict[str, torch.Tensor]:
-    feats = _all_features(model, [ids for ids, _ in items], batch_tokens, bar)
-    return pack_shard([(ids, mask, f) for (ids, mask), f in zip(items, feats)], vocab)  # type: ignore[misc]
+def _shard(model, items: list[tuple[list[int], list[int]]], vocab: int, batch_tokens: int, bar: tqdm,
+           layers: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """One shard's tensors and, with `layers`, its aux states (n, k, H), from one forward per batch."""
+    feats = _all_features(model, [ids for ids, _ in items], batch_tokens, bar, layers)
+    if not layers:
+        return pack_shard([(ids, mask, f) for (ids, mask), f in zip(items, feats)], vocab), None  # type: ignore[misc]
+    shard = pack_shard([(ids, mask, f[:, 0]) for (ids, mask), f in zip(items, feats)], vocab)
+    return shard, torch.cat([f[:, 1:] for f in feats])
 
 
 def _fp16(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -204,11 +209,13 @@ def extract(cfg: ExtractConfig) -> dict:
                 items = [render(c, tok, cfg.max_len) for c in convs[s * k:(s + 1) * k]]
                 items = [(i, m) for i, m in items if sum(m) > 0 and len(i) > 1]
                 t0 = time.perf_counter()
-                tensors = _shard(model, items, vocab, cfg.batch_tokens, bar)
+                tensors, aux = _shard(model, items, vocab, cfg.batch_tokens, bar, layers)
                 t_new += time.perf_counter() - t0
                 n = int(tensors["offsets"][-1])
                 tok_new += n
                 atomic_save_safetensors(tensors, path)
+                if aux is not None:  # a run stopped between the two files gets this one from add_aux below
+                    save_aux(path, aux, layers)
                 bar.set_postfix(tok_per_s=f"{tok_new / max(t_new, 1e-9):.0f}")
             done_tokens += n
             shards.append({"file": f"{name}/{path.name}", "tokens": n})
@@ -217,7 +224,7 @@ def extract(cfg: ExtractConfig) -> dict:
                             "new_tokens": tok_new, "tokens_per_s": tok_new / t_new if t_new else None}
             atomic_write_json(report, manifest_path)
         bar.close()
-    if layers:
+    if layers:  # aux files of shards written without them (a resumed run's, or one stopped mid-write)
         report["aux_layers"] = layers
         add_aux(out, model, layers, cfg.batch_tokens)
     return report
