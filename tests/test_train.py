@@ -545,7 +545,8 @@ def test_pooled_feature_folders(tiny_features, tmp_path):
 
 def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path, monkeypatch):
     """`extract --aux-only --aux-layers` writes each shard's aux file (the model's hidden states at
-    those layers, resumable), and `extract --aux-layers` the same files from its own forwards; `train --init H --aux-layers` trains a head that fuses them; a folder
+    those layers, resumable), and `extract --aux-layers` the same files from its own forwards;
+    `train --init H --aux-layers` trains a head that fuses them; a folder
     without them, or with other layers, gives an error naming the file."""
     import shutil
 
@@ -578,11 +579,12 @@ def test_aux_layers_extract_and_train_a_fused_head(tiny_features, tmp_path, monk
     # extract with --aux-layers takes them from the forward that computes the features: one pass
     import eaglespec.train.extract as ex
 
-    passed = []
+    features_for, passed = ex.features_for, []
+
     def counted(model, batch, layers=None):
         passed.append(sum(map(len, batch)))
         return features_for(model, batch, layers)
-    features_for = ex.features_for
+
     monkeypatch.setattr(ex, "features_for", counted)
     one = tmp_path / "one"
     rep = extract(ExtractConfig(model=str(root / "model"), out_dir=str(one), data=str(root / "convs.jsonl"),

@@ -129,10 +129,9 @@ def _shard(model, items: list[tuple[list[int], list[int]]], vocab: int, batch_to
            layers: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """One shard's tensors and, with `layers`, its aux states (n, k, H), from one forward per batch."""
     feats = _all_features(model, [ids for ids, _ in items], batch_tokens, bar, layers)
-    if not layers:
-        return pack_shard([(ids, mask, f) for (ids, mask), f in zip(items, feats)], vocab), None  # type: ignore[misc]
-    shard = pack_shard([(ids, mask, f[:, 0]) for (ids, mask), f in zip(items, feats)], vocab)
-    return shard, torch.cat([f[:, 1:] for f in feats])
+    finals = [f[:, 0] for f in feats] if layers else feats
+    shard = pack_shard([(ids, mask, f) for (ids, mask), f in zip(items, finals)], vocab)  # type: ignore[misc]
+    return shard, torch.cat([f[:, 1:] for f in feats]) if layers else None
 
 
 def _fp16(x: torch.Tensor, what: str) -> torch.Tensor:
