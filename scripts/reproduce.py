@@ -271,8 +271,20 @@ def _qwen_arch(d: Path) -> list[str]:
         cells = [" / ".join(_f(a, 3) for a in (acc[0], acc[1], acc[2], acc[4])) if len(acc) >= 5 else "n/a"
                  for acc in (accs.get("qwen-code", []), accs.get("qwen-other", []))]
         lines.append(f"| {arch} | {budget} | {cells[0]} | {cells[1]} | {_f(taus.get('humaneval'))} | {_f(taus.get('mt_bench'))} |")
-    lines += ["", f"tau: `eaglespec bench` {_stamp(m['eagle3']['ev'])}.", "", _verdict_qwen_arch(m), ""]
+    layers = "; ".join(f"{arch}: {_layer_kind(_load(d / arch / 'head' / 'config.json'))}" for arch in m)
+    lines += ["", f"Decoder layer of each head: {layers}.", "",
+              f"tau: `eaglespec bench` {_stamp(m['eagle3']['ev'])}.", "", _verdict_qwen_arch(m), ""]
     return lines
+
+
+def _layer_kind(config: dict | None) -> str:
+    """A head's decoder layer in words: Qwen2's has q/k/v biases, a Llama layer has them only if configured."""
+    layer = (config or {}).get("layer_config") or {}
+    kind = layer.get("model_type")
+    if kind is None:
+        return "unknown"
+    biased = kind == "qwen2" or bool(layer.get("attention_bias"))
+    return f"{'Qwen2' if kind == 'qwen2' else kind.capitalize()}'s, {'with' if biased else 'without'} q/k/v biases"
 
 
 def _verdict_qwen_arch(m: dict) -> str:

@@ -159,3 +159,32 @@ def test_a_batch_wider_than_the_question_set_is_refused_up_front(tiny_dirs, tmp_
     err = capsys.readouterr().err
     assert rc == 2 and "--batch-size 4 needs 4 questions per set" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_qwen_architecture_report_names_each_head_s_layer_and_judges_by_both_measures(tmp_path):
+    """reproduce.py's arch-qwen section: each head's decoder layer from its config, and the verdict."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("reproduce", Path(__file__).parents[1] / "scripts" / "reproduce.py")
+    rep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+    machine = {"date": "2026-12-07 12:00 UTC", "commit": "abc1234", "cpu": "AMD EPYC (Zen 4)", "threads": 2}
+    layers = {"eagle3": {"model_type": "llama", "attention_bias": False}, "hybrid": {"model_type": "qwen2"}}
+    taus = {"eagle3": (1.80, 1.70), "hybrid": (1.70, 1.60)}
+    rows = []
+    for arch in ("eagle3", "hybrid"):
+        (tmp_path / arch / "head").mkdir(parents=True)
+        (tmp_path / arch / "head" / "config.json").write_text(json.dumps({"layer_config": layers[arch]}))
+        (tmp_path / arch / "train_log.json").write_text(json.dumps(
+            {"log": [{}] * 250, "tokens_seen": 490_000, "train_time_s": 3000.0}))
+        (tmp_path / f"eval-{arch}").mkdir()
+        (tmp_path / f"eval-{arch}" / "results.json").write_text(json.dumps({"machine": machine, "summary": [
+            {"method": "eagle", "dataset": d, "tau": t} for d, t in zip(("humaneval", "mt_bench"), taus[arch])]}))
+        acc = [0.4, 0.3, 0.2, 0.15, 0.1] if arch == "eagle3" else [0.35, 0.25, 0.15, 0.1, 0.05]
+        rows += [{"head": str(tmp_path / arch / "head"), "split": s, "acc": acc} for s in ("qwen-code", "qwen-other")]
+    (tmp_path / "heldout.json").write_text(json.dumps({"rows": rows}))
+    text = "\n".join(rep._qwen_arch(tmp_path))
+    assert "eagle3: Llama's, without q/k/v biases; hybrid: Qwen2's, with q/k/v biases" in text
+    assert "| eagle3 | 250 steps, 0.49 M tokens, 50 min | 0.400 / 0.300 / 0.200 / 0.100 |" in text
+    assert "EAGLE-3's head wins at this budget: tau +0.10 on HumanEval and +0.10 on MT-bench" in text
+    assert rep._layer_kind(None) == "unknown"
