@@ -284,7 +284,7 @@ def _layer_kind(config: dict | None) -> str:
     if kind is None:
         return "unknown"
     biased = kind == "qwen2" or bool(layer.get("attention_bias"))
-    return f"{'Qwen2' if kind == 'qwen2' else kind.capitalize()}'s, {'with' if biased else 'without'} q/k/v biases"
+    return f"{kind.capitalize()}'s, {'with' if biased else 'without'} q/k/v biases"
 
 
 def _verdict_qwen_arch(m: dict) -> str:
