@@ -127,7 +127,7 @@ def report(run: Path, out: Path) -> None:
              "**What differs from the paper, everywhere.** Target: SmolLM2-135M-Instruct (fp32) instead of 7B-70B",
              "models; hardware: 2 CPU cores instead of A100 GPUs, where a verified row costs real arithmetic, so",
              "speedups are far below the paper's and trees pay less than chains; the ablation heads are trained",
-             "on a small budget (below), so their acceptance is below the shipped head's. Compare the *ordering*",
+             "on a small budget (below), so their acceptance is below the shipped heads'. Compare the *ordering*",
              "and the *relative* gaps with the paper's, not the absolute numbers.", ""]
     budget = []
     for name in RUNS:
@@ -215,7 +215,7 @@ def report(run: Path, out: Path) -> None:
     lines += _qwen_arch(run / "qwen-arch")
     # Table 5
     tr = _load(run / "tree" / "results.json")
-    lines += ["## Tree vs chain (paper Table 5), the shipped head", "", f"`eaglespec bench` {_stamp(tr)}.", "",
+    lines += ["## Tree vs chain (paper Table 5), the hybrid head", "", f"`eaglespec bench` {_stamp(tr)}.", "",
               "| draft | T | paper tau (Vicuna 7B, T = 0) | ours: tau | ours: speedup |", "|---|---|---|---|---|"]
     for temp in (0.0, 1.0):
         t, c = _row(tr, "eagle", temp), _row(tr, "eagle-chain", temp)
@@ -225,7 +225,7 @@ def report(run: Path, out: Path) -> None:
                      f"{_f(c and c['speedup_vs_vanilla'], 2, 'x')} |")
     lines += ["", _verdict_table5(tr), ""]
     # Table 7
-    lines += ["## Batch sizes (paper Table 7), the shipped head", ""]
+    lines += ["## Batch sizes (paper Table 7), the hybrid head", ""]
     for folder, label in (("batch-paper", "paper tree"), ("batch-chain1", "chain:1")):
         b = _load(run / folder / "results.json")
         lines += [f"{label}: `eaglespec bench` {_stamp(b)}.", "",
@@ -319,7 +319,7 @@ def _verdict_fig8(m: dict) -> str:
         out += (f" Unlike in the paper, the token-level draft keeps up with EAGLE here (tau {t:.2f}): at this small "
                 "budget the head's own predicted features are poor (step-2 accuracy "
                 f"{a2['eagle']:.3f} against the token draft's {a2['token']:.3f}, which does not read features), so "
-                "feature-level autoregression has not yet paid off; the shipped head, trained on ~170x more tokens "
+                "feature-level autoregression has not yet paid off; the shipped hybrid head, trained on ~170x more tokens "
                 "(37 M), reaches tau 2.9 with the same tree.")
     return out
 

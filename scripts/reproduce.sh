@@ -72,13 +72,13 @@ for stage in $STAGES; do
         eaglespec bench --head "$OUT/runs/$name/head" --dataset mt_bench --first-turn-only --limit "$LIMIT" --spread \
           --temperature 0 --tree paper --chain chain:4 --methods vanilla,eagle,eagle-chain --out "$OUT/eval/$name"
       done ;;
-    tree)   # Table 5 with the shipped head: the paper's tree against a chain, T = 0 and 1
-      eaglespec bench --dataset mt_bench --first-turn-only --limit "$LIMIT" --spread --temperature 0,1 --tree paper \
+    tree)   # Table 5 with the shipped hybrid head: the paper's tree against a chain, T = 0 and 1
+      eaglespec bench --head hybrid --dataset mt_bench --first-turn-only --limit "$LIMIT" --spread --temperature 0,1 --tree paper \
         --chain chain:4 --methods vanilla,eagle,eagle-chain --out "$OUT/tree" ;;
-    batch)  # Table 7 with the shipped head: batch sizes 1, 2, 4 (the paper's tree, and one draft a round)
-      eaglespec bench --dataset mt_bench --first-turn-only --limit "$BLIMIT" --temperature 0 --tree paper \
+    batch)  # Table 7 with the shipped hybrid head: batch sizes 1, 2, 4 (the paper's tree, and one draft a round)
+      eaglespec bench --head hybrid --dataset mt_bench --first-turn-only --limit "$BLIMIT" --temperature 0 --tree paper \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch-paper"
-      eaglespec bench --dataset mt_bench --first-turn-only --limit "$BLIMIT" --temperature 0 --tree chain:1 \
+      eaglespec bench --head hybrid --dataset mt_bench --first-turn-only --limit "$BLIMIT" --temperature 0 --tree chain:1 \
         --methods vanilla,eagle --batch-size 1,2,4 --out "$OUT/batch-chain1" ;;
     arch-qwen)  # each head trained (resumable), then held-out agreement on each folder's held-out split, then tau
       for arch in eagle3 hybrid; do

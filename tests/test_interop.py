@@ -238,7 +238,8 @@ def test_engine_table_rows_read_each_engines_own_counts(tmp_path):
     (head / "training.json").write_text(json.dumps(rec))
     said = head_summary(str(head))
     assert said == "trained 164 steps, 0.37 M tokens seen, held-out agreement at draft steps 1-3 0.500 / 0.400 / 0.300"
-    assert head_summary(default_head("smollm2-135m-instruct", "eagle3")) == "the shipped `smollm2-135m-instruct-eagle3`"
+    assert head_summary(default_head("smollm2-135m-instruct", "eagle3")) == "the shipped `smollm2-135m-instruct`"
+    assert head_summary(default_head("smollm2-135m-instruct", "hybrid")) == "the shipped `smollm2-135m-instruct-hybrid`"
     table = report({"machine": m, "prompts": 2, "max_new_tokens": 1, "repeats": 1, "heads": {"eagle3": said}, "rows": [r]})
     assert f"eagle3 head: {said}." in table
 

@@ -67,7 +67,7 @@ def _add_head(p: argparse.ArgumentParser) -> None:
     from .spec.head import DRAFT_VOCABS
 
     p.add_argument("--head", default=None, help="draft head folder or hub id (default: the head shipped for --model; "
-                   "eagle1 / eagle3: its shipped head of that architecture)")
+                   "eagle1 / eagle3 / hybrid: its shipped head of that architecture)")
     p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="context", help=DRAFT_VOCAB_HELP)
 
 
@@ -84,7 +84,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a draft head in another engine's layout (official EAGLE, "
                        "SafeAILab EAGLE-3, speculators / vLLM, GGUF / llama.cpp)")
     p.add_argument("head", help="the head folder (any layout eaglespec reads), a hub repo id in the local cache, "
-                   "or eagle1 / eagle3: the head of that architecture shipped for --model")
+                   "or eagle1 / eagle3 / hybrid: the head of that architecture shipped for --model")
     p.add_argument("--format", required=True, choices=[*LAYOUTS, "gguf"],
                    help="eagle1: official EAGLE (eagle-llm); eagle3: SafeAILab EAGLE-3 (SGLang reads it too); "
                         "speculators: vLLM's; gguf: llama.cpp's EAGLE-3 (runs llama.cpp's converter)")
