@@ -219,7 +219,7 @@ def host_section(run: Path, kept: dict[str, str] | None = None) -> tuple[str, st
     """This host's section from the run's stages; a table whose stage the run lacks is kept as this
     host's section in `kept` (the existing sections, by CPU kind) has it: each table carries its own
     run's stamp."""
-    results = {s: load(run, s) for s in ("main", "int4-q8", "ablation", "batch", "tau80", "serve", "engines",
+    results = {s: load(run, s) for s in ("main", "int4-q8", "int4", "ablation", "batch", "tau80", "serve", "engines",
                                          "qwen-main", "qwen-int4-q8", "qwen-tau", "qwen-engines")}
     first = next((r for r in results.values() if r is not None), None)
     if first is None:
@@ -243,6 +243,7 @@ def host_section(run: Path, kept: dict[str, str] | None = None) -> tuple[str, st
     lines += speed("main", "fp32 target (exact codes): the four sets", "bench_speedup",
                    f"speedup over vanilla, fp32 target, {kind}")
     lines += speed("int4-q8", "int4-q8 target (`--quantize fastest` with AVX512-VNNI)")
+    lines += speed("int4", "int4 target (weight-only; `--quantize fastest` without AVX512)")
     lines += speed("ablation", "Which tree (MT-bench first turns, T = 0)")
     lines += table((run / "curve" / "cost_curve.json").is_file(), "Cost curve (fp32 target", lambda: curve_table(run, kind))
     batch = results["batch"]
