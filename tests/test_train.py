@@ -933,7 +933,8 @@ def test_each_input_mode_trains_on_what_it_says(head_and_batch, mode):
 
 
 def test_training_on_two_processes_ends_and_matches_one(tiny_features, tmp_path):
-    """`torchrun --nproc_per_node 2 -m eaglespec.cli train` (DDP over gloo) with an odd number of batches, so
+    """`accelerate launch --multi_gpu --num_processes 2 -m eaglespec.cli train` (torchrun underneath; DDP over
+    gloo on a CPU-only machine, where `--cpu` would start one process) with an odd number of batches, so
     that a plain split would give one process a step more and hang it at the last gradient
     all-reduce: the run ends, both processes take the same steps, and the head it trains reaches a
     held-out accuracy within 0.05 of one process's (each of its steps averages two batches, so the
@@ -952,8 +953,9 @@ def test_training_on_two_processes_ends_and_matches_one(tiny_features, tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one = subprocess.run([sys.executable, "-m", "eaglespec.cli", *args, "--out", str(tmp_path / "one")],
                          capture_output=True, text=True, timeout=300, env=env)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "eaglespec.cli", *args, "--out", str(tmp_path / "two")],
+    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                          "--main_process_port", "0", "-m", "eaglespec.cli", *args, "--out", str(tmp_path / "two")],
                          capture_output=True, text=True, timeout=300, env=env)
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]

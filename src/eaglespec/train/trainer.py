@@ -8,8 +8,9 @@ Only positions inside assistant turns carry loss.
 An ``eagle3`` head (``--arch eagle3``) predicts no feature: its loss is the CE term alone (weight 1),
 over unrolled steps (training-time test, ``--unroll``, 3 by default for it).
 
-One process by default; `torchrun --nproc_per_node N -m eaglespec.cli train ...` runs N (DDP over gloo
-on a CPU), each taking the same number of batches.
+One process by default; `accelerate launch --multi_gpu --num_processes N -m eaglespec.cli train ...` or
+`torchrun --nproc_per_node N -m eaglespec.cli train ...` runs N (DDP over gloo on a CPU-only machine),
+each taking the same number of batches. accelerate's `--cpu` flag starts one process whatever N.
 """
 
 from __future__ import annotations
