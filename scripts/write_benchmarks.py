@@ -278,8 +278,10 @@ def headline(result: dict) -> list[str]:
             return fx(r.get("free_draft_speedup"))
         return f"**{fx(r['speedup_vs_vanilla'])}** ({r['tokens_per_s']:.0f} tok/s, tau {r['tau']:.2f})"
 
+    head = result.get("config", {}).get("head")  # the folder it ran: the shipped heads are named by theirs
     out = [f"{m['cpu']}, {m['threads']} threads, host `{m.get('host', '?')}`, {m['date']}, commit "
-           f"`{m.get('commit') or '?'}`; fp32 target (exact codes):", "",
+           f"`{m.get('commit') or '?'}`; fp32 target (exact codes)" + (f", head `{Path(head).name}`" if head else "")
+           + ":", "",
            "| | " + " | ".join(TITLES[d] for d in datasets) + " |", "|---|" + "---|" * len(datasets)]
     for label, method, temp, what in (("plain decoding, tok/s", "vanilla", 0.0, "tok/s"),
                                       ("`transformers.generate`, tok/s", "hf", 0.0, "tok/s"),
